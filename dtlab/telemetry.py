@@ -1,0 +1,352 @@
+"""Per-rank telemetry: what each rank communicated, computed and held in memory.
+
+Taught in chapter 01 (traffic of each collective) and used by every later chapter's
+live plots.
+
+Each rank has a :class:`Recorder`. Library code never holds one; it asks
+:func:`current` for the recorder that is active in this process (a do-nothing
+:data:`OFF` recorder unless someone called :func:`use`), so a run nobody watches pays
+one attribute check per event.
+
+Three kinds of event, each a flat dict with a ``kind`` field:
+
+- ``comm``: ``{rank, op, axis, dtype, numel, payload_bytes, wire_bytes, t_start,
+  t_end, step, tag}`` — written by :mod:`dtlab.comm`.
+- ``span``: ``{rank, stage, microbatch, name: F|B|W|opt|idle|..., t_start, t_end,
+  step}`` — a stretch of compute.
+- ``memory``: ``{rank, step, phase, params, grads, optimizer, activations, buffers,
+  peak}`` — bytes by category.
+
+Sinks receive every event: :class:`MemorySink` (a list), :class:`JsonlSink` (one file
+per rank, for headless runs), :class:`PublishSink` (ipyparallel's data publication,
+live to the notebook). :func:`chrome_trace` turns events into the Chrome trace format
+that Perfetto (ui.perfetto.dev) and chrome://tracing open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+
+clock = time.perf_counter  # one clock for every event of a rank
+
+
+class Recorder:
+    """Collects events of one rank and forwards them to its sinks."""
+
+    def __init__(self, rank: int = 0, sinks=None, *, enabled: bool = True):
+        self.rank = rank
+        self.sinks = list(sinks) if sinks is not None else [MemorySink()]
+        self.enabled = enabled
+        self.step = 0
+        self.t0 = clock()  # events carry times relative to this
+        self._lock = threading.Lock()
+
+    # ---- writing events ---------------------------------------------------------
+    def emit(self, kind: str, **fields) -> None:
+        if not self.enabled:
+            return
+        event = {"kind": kind, "rank": self.rank, "step": self.step, **fields}
+        with self._lock:
+            for sink in self.sinks:
+                sink.write(event)
+
+    def now(self) -> float:
+        """Seconds since this recorder was made (the time axis of its events)."""
+        return clock() - self.t0
+
+    @contextlib.contextmanager
+    def span(self, name: str, *, stage: int = 0, microbatch: int | None = None, **kw):
+        """Record a compute span around the ``with`` body."""
+        if not self.enabled:
+            yield
+            return
+        t_start = self.now()
+        try:
+            yield
+        finally:
+            self.emit(
+                "span",
+                name=name,
+                stage=stage,
+                microbatch=microbatch,
+                t_start=t_start,
+                t_end=self.now(),
+                **kw,
+            )
+
+    def memory(self, phase: str, **categories) -> None:
+        """Record a memory sample: bytes by category (params, grads, optimizer,
+        activations, buffers, peak, ...)."""
+        self.emit("memory", phase=phase, t=self.now(), **categories)
+
+    def flush(self) -> None:
+        with self._lock:
+            for sink in self.sinks:
+                sink.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            for sink in self.sinks:
+                sink.flush()
+                sink.close()
+
+    # ---- reading back -----------------------------------------------------------
+    @property
+    def events(self) -> list[dict]:
+        """Events held by this recorder's in-memory sinks."""
+        out = []
+        for sink in self.sinks:
+            if isinstance(sink, MemorySink):
+                out.extend(sink.events)
+        return out
+
+    def clear(self) -> None:
+        for sink in self.sinks:
+            if isinstance(sink, MemorySink):
+                sink.events.clear()
+
+
+class _Off(Recorder):
+    """The recorder in force when nobody listens: drops everything."""
+
+    def __init__(self):
+        super().__init__(rank=-1, sinks=[], enabled=False)
+
+    def emit(self, kind, **fields):  # noqa: D102 - the cheap path
+        return None
+
+
+OFF = _Off()
+# Process-wide, not thread-local: autograd runs backward hooks (where gradient
+# collectives start) on its own threads on GPU, and those must record too.
+_active: list[Recorder] = [OFF]
+
+
+def current() -> Recorder:
+    """The recorder in force in this process (:data:`OFF` unless one is in use)."""
+    return _active[0]
+
+
+@contextlib.contextmanager
+def use(recorder: Recorder):
+    """Make ``recorder`` current for the ``with`` body (restores the previous one)."""
+    previous = _active[0]
+    _active[0] = recorder
+    try:
+        yield recorder
+    finally:
+        _active[0] = previous
+
+
+def install(recorder: Recorder) -> Recorder:
+    """Make ``recorder`` current until replaced (for long-lived engine processes)."""
+    _active[0] = recorder
+    return recorder
+
+
+# ---- sinks ------------------------------------------------------------------------
+class Sink:
+    def write(self, event: dict) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MemorySink(Sink):
+    """Keeps events in a list (bounded by ``maxlen`` if given: oldest dropped)."""
+
+    def __init__(self, maxlen: int | None = None):
+        self.events: list[dict] = []
+        self.maxlen = maxlen
+
+    def write(self, event):
+        self.events.append(event)
+        if self.maxlen is not None and len(self.events) > self.maxlen:
+            del self.events[: len(self.events) - self.maxlen]
+
+
+class JsonlSink(Sink):
+    """One JSON object per line, in ``directory/rank{r}.jsonl`` (headless runs)."""
+
+    def __init__(self, directory: str | os.PathLike, rank: int):
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"rank{rank}.jsonl")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, event):
+        self._file.write(json.dumps(event) + "\n")
+
+    def flush(self):
+        if not self._file.closed:
+            self._file.flush()
+
+    def close(self):
+        self._file.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class PublishSink(Sink):
+    """Streams events to the notebook through ipyparallel's data publication.
+
+    The client keeps only the *latest* value of each key, so every batch goes out
+    under its own key (``tel00000001``, ...) and the notebook pops the keys it has
+    read (see ``dtlab.lab.cluster``). Batches are sent at most every ``interval``
+    seconds, or when ``max_batch`` events are waiting, or on :meth:`flush`.
+    """
+
+    prefix = "tel"
+
+    def __init__(self, interval: float = 0.1, max_batch: int = 500, publish=None):
+        if publish is None:
+            from ipyparallel.datapub import publish_data  # only on an engine
+
+            publish = publish_data
+        self._publish = publish
+        self.interval = interval
+        self.max_batch = max_batch
+        self._buffer: list[dict] = []
+        self._last = clock()
+        self._seq = 0
+
+    def write(self, event):
+        self._buffer.append(event)
+        if len(self._buffer) >= self.max_batch or clock() - self._last > self.interval:
+            self.flush()
+
+    def flush(self):
+        if not self._buffer:
+            return
+        self._seq += 1
+        batch, self._buffer = self._buffer, []
+        self._publish({f"{self.prefix}{self._seq:08d}": batch})
+        self._last = clock()
+
+
+class CallbackSink(Sink):
+    """Hands each event to a function (handy in tests and for custom live views)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def write(self, event):
+        self.fn(event)
+
+
+# ---- summaries and export ---------------------------------------------------------
+def comm_events(events, *, op=None, axis=None, tag=None) -> list[dict]:
+    out = [e for e in events if e.get("kind") == "comm"]
+    if op is not None:
+        out = [e for e in out if e["op"] == op]
+    if axis is not None:
+        out = [e for e in out if e["axis"] == axis]
+    if tag is not None:
+        out = [e for e in out if e.get("tag") == tag]
+    return out
+
+
+def traffic(events, by=("op",)) -> dict[tuple, dict[str, float]]:
+    """Sum payload and wire bytes (and calls) of comm events grouped by fields."""
+    table: dict[tuple, dict[str, float]] = {}
+    for e in comm_events(events):
+        key = tuple(e.get(k) for k in by)
+        row = table.setdefault(key, {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
+        row["calls"] += 1
+        row["payload_bytes"] += e["payload_bytes"]
+        row["wire_bytes"] += e["wire_bytes"]
+    return table
+
+
+def chrome_trace(events) -> dict:
+    """Events -> Chrome trace JSON (one process per rank; threads for compute and
+    communication). Open the written file in Perfetto or chrome://tracing."""
+    trace = []
+    for rank in sorted({e["rank"] for e in events}):
+        trace.append(
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": rank,
+                "args": {"name": f"rank {rank}"},
+            }
+        )
+        for tid, name in ((0, "compute"), (1, "comm")):
+            trace.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": rank,
+                    "tid": tid,
+                    "args": {"name": name},
+                }
+            )
+    for e in events:
+        if e["kind"] == "span":
+            trace.append(
+                {
+                    "ph": "X",
+                    "pid": e["rank"],
+                    "tid": 0,
+                    "name": e["name"],
+                    "ts": e["t_start"] * 1e6,
+                    "dur": (e["t_end"] - e["t_start"]) * 1e6,
+                    "args": {k: e.get(k) for k in ("step", "stage", "microbatch")},
+                }
+            )
+        elif e["kind"] == "comm":
+            trace.append(
+                {
+                    "ph": "X",
+                    "pid": e["rank"],
+                    "tid": 1,
+                    "name": e["op"],
+                    "ts": e["t_start"] * 1e6,
+                    "dur": (e["t_end"] - e["t_start"]) * 1e6,
+                    "args": {
+                        k: e.get(k)
+                        for k in (
+                            "axis",
+                            "dtype",
+                            "numel",
+                            "payload_bytes",
+                            "wire_bytes",
+                            "step",
+                            "tag",
+                        )
+                    },
+                }
+            )
+        elif e["kind"] == "memory":
+            cats = {
+                k: v
+                for k, v in e.items()
+                if k not in ("kind", "rank", "step", "phase", "t")
+                and isinstance(v, int | float)
+            }
+            trace.append(
+                {
+                    "ph": "C",
+                    "pid": e["rank"],
+                    "name": "memory (bytes)",
+                    "ts": e["t"] * 1e6,
+                    "args": cats,
+                }
+            )
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | os.PathLike, events) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(chrome_trace(events), f)
+    return str(path)

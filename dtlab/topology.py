@@ -1,0 +1,277 @@
+"""Layouts and topologies: which rank holds which slice of the job.
+
+Taught in chapter 01 (ranks and groups) and chapter 07 (3D parallelism).
+
+A *layout* is the shape of the job: ``Layout(dp=2, tp=2, pp=1)`` asks for two
+data-parallel replicas, each split over two tensor-parallel ranks, in one pipeline
+stage. The world size is the product ``dp * tp * pp``.
+
+Rank order follows Megatron-LM: **tp varies fastest, then dp, then pp**::
+
+    rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+
+so the ranks of one tensor-parallel group are neighbours (on a real machine: the GPUs
+of one node, joined by NVLink), and the pipeline stages are the slowest-varying
+coordinate (on a real cluster: different nodes). This is the one place that order is
+written down; everything else asks a ``Layout`` or a ``Topology``.
+
+A ``Topology`` is a layout bound to one rank of a live ``torch.distributed`` world:
+it creates one process group per axis slice, in the same order on every rank (creating
+groups is itself a collective call, so the order must match), and hands them out by
+axis name. There is no global state: two topologies can live in one process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+AXES = ("pp", "dp", "tp")  # slowest -> fastest varying
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The degree of each kind of parallelism. ``world_size = dp * tp * pp``."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            _check_positive(axis, getattr(self, axis))
+
+    # ---- sizes ------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def size(self, axis: str) -> int:
+        _check_axis(axis)
+        return getattr(self, axis)
+
+    # ---- rank <-> coordinates ---------------------------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{'pp': i, 'dp': j, 'tp': k}`` of a global rank."""
+        self._check_rank(rank)
+        tp_index = rank % self.tp
+        dp_index = (rank // self.tp) % self.dp
+        pp_index = rank // (self.tp * self.dp)
+        return {"pp": pp_index, "dp": dp_index, "tp": tp_index}
+
+    def rank(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        """The global rank at these coordinates (inverse of :meth:`coords`)."""
+        for axis, value in (("pp", pp), ("dp", dp), ("tp", tp)):
+            if not 0 <= value < self.size(axis):
+                raise ValueError(
+                    f"{axis} coordinate {value} is outside 0..{self.size(axis) - 1}"
+                )
+        return pp * (self.dp * self.tp) + dp * self.tp + tp
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``: the rank lists that differ only in that
+        coordinate, in a fixed order (the order groups are created on every rank)."""
+        _check_axis(axis)
+        others = [a for a in AXES if a != axis]
+        result = []
+        for fixed in itertools.product(*(range(self.size(a)) for a in others)):
+            where = dict(zip(others, fixed))
+            result.append(
+                [self.rank(**where, **{axis: i}) for i in range(self.size(axis))]
+            )
+        return result
+
+    def group_of(self, axis: str, rank: int) -> list[int]:
+        """The ranks that share every coordinate with ``rank`` except ``axis``."""
+        c = self.coords(rank)
+        return [self.rank(**{**c, axis: i}) for i in range(self.size(axis))]
+
+    # ---- validation against a world and a model ---------------------------------
+    def validate(
+        self,
+        world_size: int | None = None,
+        *,
+        n_layers: int | None = None,
+        n_heads: int | None = None,
+        microbatches: int | None = None,
+        schedule: str | None = None,
+        chunks: int = 1,
+    ) -> Layout:
+        """Raise ``ValueError`` naming the factor that does not fit; return self.
+
+        - the product must equal ``world_size`` when one is given;
+        - tensor parallelism splits attention heads: ``n_heads % tp == 0``;
+        - pipeline parallelism splits layers: ``n_layers % (pp * chunks) == 0``;
+        - 1F1B-style schedules need at least ``pp`` microbatches to fill the pipe
+          (GPipe runs with fewer, just with a larger bubble).
+        """
+        if world_size is not None:
+            _check_positive("world_size", world_size)
+            if self.world_size != world_size:
+                raise ValueError(
+                    f"layout dp={self.dp} x tp={self.tp} x pp={self.pp} = "
+                    f"{self.world_size} ranks, but the world has {world_size}: "
+                    "make the product of dp, tp and pp equal the world size"
+                )
+        if n_heads is not None and n_heads % self.tp:
+            raise ValueError(
+                f"tp={self.tp} does not divide n_heads={n_heads}: tensor parallelism "
+                "gives each rank whole attention heads; pick tp from "
+                f"{divisors(n_heads)}"
+            )
+        _check_positive("chunks", chunks)
+        if n_layers is not None and n_layers % (self.pp * chunks):
+            what = f"pp={self.pp}" + (f" x chunks={chunks}" if chunks > 1 else "")
+            raise ValueError(
+                f"{what} does not divide n_layers={n_layers}: each pipeline stage "
+                "must hold the same number of layers"
+            )
+        if microbatches is not None:
+            _check_positive("microbatches", microbatches)
+            if schedule and schedule.lower() != "gpipe" and microbatches < self.pp:
+                raise ValueError(
+                    f"schedule {schedule!r} needs microbatches >= pp ({self.pp}), got "
+                    f"{microbatches}: use more microbatches or GPipe"
+                )
+        return self
+
+    def _check_rank(self, rank: int) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank!r} is outside 0..{self.world_size - 1}")
+
+    def __str__(self) -> str:
+        return f"dp{self.dp}·tp{self.tp}·pp{self.pp}"
+
+
+def _check_axis(axis: str) -> None:
+    if axis not in AXES:
+        raise ValueError(f"unknown axis {axis!r}: expected one of {AXES}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts_for(world_size: int, **model) -> list[Layout]:
+    """Every ``Layout`` with this world size that passes :meth:`Layout.validate`
+    for the given model facts (``n_layers``, ``n_heads``, ...)."""
+    _check_positive("world_size", world_size)
+    out = []
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
+            layout = Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
+            try:
+                layout.validate(world_size, **model)
+            except ValueError:
+                continue
+            out.append(layout)
+    return out
+
+
+def padded_vocab(vocab_size: int, tp: int, multiple: int = 1) -> int:
+    """Vocabulary size rounded up so every tp rank holds the same number of rows."""
+    _check_positive("vocab_size", vocab_size)
+    step = tp * multiple
+    return -(-vocab_size // step) * step
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of a topology as seen from one rank: its process group, the global
+    ranks in it, and this rank's index along it."""
+
+    name: str
+    ranks: tuple[int, ...]
+    index: int
+    group: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # topologies holding process groups
+
+
+def release_groups() -> None:
+    """Make every topology in this process drop its process groups (called when the
+    world is torn down: a group object that is still referenced keeps its sockets
+    open). Their axes keep ranks and indices; ``group`` becomes ``None``."""
+    for topo in list(_LIVE):
+        topo._axes = {
+            name: Axis(a.name, a.ranks, a.index, None) for name, a in topo._axes.items()
+        }
+        topo.released = True
+    _LIVE.clear()
+
+
+class Topology:
+    """A layout bound to one rank, with a process group per axis.
+
+    ``Topology(layout, rank)`` with ``torch.distributed`` initialised creates every
+    group of every axis (all ranks must construct it together). Without an
+    initialised default group it only does rank arithmetic, which is what a
+    one-rank layout needs: ``Topology(Layout(), 0)`` just works.
+    """
+
+    def __init__(self, layout: Layout, rank: int | None = None, *, backend=None):
+        import torch.distributed as dist
+
+        self.layout = layout
+        live = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            if not live:
+                raise ValueError("rank is required when torch.distributed is not up")
+            rank = dist.get_rank()
+        if live and dist.get_world_size() != layout.world_size:
+            layout.validate(dist.get_world_size())
+        layout._check_rank(rank)
+        self.rank = rank
+        self.coords = layout.coords(rank)
+        self._axes: dict[str, Axis] = {}
+        self.released = False
+        for axis in AXES:
+            mine = None
+            for ranks in layout.groups(axis):
+                # new_group is collective over the whole world: every rank creates
+                # every group, in the same order, even the ones it is not in.
+                group = dist.new_group(ranks, backend=backend) if live else None
+                if rank in ranks:
+                    mine = Axis(axis, tuple(ranks), ranks.index(rank), group)
+            self._axes[axis] = mine
+        if live:
+            _LIVE.add(self)
+
+    def axis(self, name: str) -> Axis:
+        _check_axis(name)
+        return self._axes[name]
+
+    def group(self, name: str):
+        if self.released:
+            raise RuntimeError(
+                "this topology's process groups were torn down (an error on some "
+                "rank, or a reset): build a new Topology on the new world"
+            )
+        return self.axis(name).group
+
+    def size(self, name: str) -> int:
+        return self.layout.size(name)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def __repr__(self) -> str:
+        c = self.coords
+        return (
+            f"Topology({self.layout}, rank={self.rank}: "
+            f"pp={c['pp']} dp={c['dp']} tp={c['tp']})"
+        )

@@ -1,0 +1,42 @@
+"""Shared test set-up: one torch thread, and no cluster left behind."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_every_cluster():
+    yield
+    try:
+        from dtlab.lab import stop_all
+    except ImportError:  # the lab extra is not installed
+        return
+    stop_all()
+
+
+_clusters: dict = {}
+
+
+@pytest.fixture(scope="session")
+def lab_cluster():
+    """``lab_cluster(n)``: a live CPU cluster of n engines, shared by the session
+    (starting one costs seconds; each test's run resets it if a previous test broke
+    its process group). Stopped at the end of the session."""
+    pytest.importorskip("ipyparallel")
+    from dtlab.lab import LabCluster
+
+    def get(n: int):
+        c = _clusters.get(n)
+        if c is None or not c.running:
+            c = _clusters[n] = LabCluster(n, backend="gloo", timeout=20).start()
+        return c
+
+    yield get
+    for c in _clusters.values():
+        c.stop()
+    _clusters.clear()
