@@ -26,6 +26,7 @@ import datetime
 import gc
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import shutil
 import tempfile
@@ -186,7 +187,9 @@ def _worker(rank, world_size, fn, args, kwargs, store_file, backend, timeout, re
     if failure is not None:
         results.put((rank, "error", *failure))
     else:
-        results.put((rank, "ok", value, "", 0.0))
+        # plain pickle bytes: a queue would share tensors through shared memory
+        # handles that die with this process
+        results.put((rank, "ok", pickle.dumps(value), "", 0.0))
 
 
 def spawn(
@@ -274,7 +277,7 @@ def spawn(
                     ) from None
                 continue
             if status == "ok":
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 if not errors:
                     errors_at = time.monotonic()

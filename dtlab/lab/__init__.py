@@ -1,0 +1,9 @@
+"""The notebook layer: the live cluster, control panels and live figures.
+
+The only part of dtlab that imports ipyparallel, ipywidgets and plotly (lazily, so
+``import dtlab.lab`` stays cheap)."""
+
+from dtlab.lab.cluster import EngineDied, LabCluster, start, stop_all
+from dtlab.launch import RankError
+
+__all__ = ["EngineDied", "LabCluster", "RankError", "start", "stop_all"]

@@ -1,0 +1,491 @@
+"""The live cluster: one ipyparallel engine per rank, driven from the notebook.
+
+Taught in chapter 01; every later chapter starts with ``cluster = start(...)``.
+
+    from dtlab.lab import start
+    cluster = start(world_size=4)           # 4 CPU engines on gloo (or 1 per GPU)
+    cluster.run(fn, *args)                  # fn on every rank; results in rank order
+    cluster.reset()                         # fresh process group, same engines
+    cluster.restart()                       # fresh engines
+    cluster.stop()
+
+Each engine is a separate Python process that joined one ``torch.distributed`` world
+with an explicit rank (engine ids are not ranks). ``%%px`` cells see ``rank``,
+``world_size`` and ``topo`` on every engine.
+
+How failures surface:
+
+- an exception on one rank comes back as a :class:`dtlab.launch.RankError` naming the
+  rank and carrying its traceback; the failing rank destroyed its process group, so
+  its peers did not wait out the collective timeout. The next ``run`` resets the
+  group by itself (or call ``reset()``).
+- a rank that never arrives at a collective makes the others fail after
+  ``timeout`` seconds (the process group's timeout, 30 s by default).
+- an engine that dies is reported as :class:`EngineDied`; ``restart()`` brings up
+  new engines.
+
+Everything listens on loopback only: the ipyparallel controller is bound to
+127.0.0.1, and the torch.distributed rendezvous is a file store (torch's TCPStore
+would listen on every interface).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+
+from dtlab.lab import engine as _engine
+from dtlab.launch import RankError, rank_error
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # clusters started by this process
+
+
+class EngineDied(RuntimeError):
+    """An engine process exited while the cluster was using it."""
+
+
+def max_cpu_world_size() -> int:
+    """How many CPU engines this machine can give: engines may outnumber cores (each
+    runs one torch thread, and chapter 07 runs 8 on 2 cores), but not by far."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+class LabCluster:
+    """A local (or profile-launched) ipyparallel cluster with a torch.distributed
+    world over its engines. Usable as a context manager; stopped at exit."""
+
+    def __init__(
+        self,
+        world_size: int | None = None,
+        *,
+        backend: str = "auto",
+        timeout: float = 30.0,
+        call_timeout: float = 600.0,
+        engines: str = "local",
+        start_timeout: float = 120.0,
+        heartbeat_ms: int = 500,
+    ):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if backend == "auto":
+            backend = "nccl" if gpus else "gloo"
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(
+                f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}"
+            )
+        if world_size is None:
+            world_size = gpus if backend == "nccl" else 4
+        if (
+            isinstance(world_size, bool)
+            or not isinstance(world_size, int)
+            or world_size < 1
+        ):
+            raise ValueError(
+                f"world_size must be a positive integer, got {world_size!r}"
+            )
+        if backend == "nccl":
+            if not gpus:
+                raise ValueError(
+                    "backend 'nccl' needs GPUs, and this machine has none: "
+                    "use backend='gloo' (CPU engines)"
+                )
+            if world_size > gpus and engines == "local":
+                raise ValueError(
+                    f"world_size={world_size} needs one GPU per engine, but "
+                    f"{gpus} are visible: use world_size <= {gpus}, or backend='gloo'"
+                )
+        elif engines == "local" and world_size > max_cpu_world_size():
+            raise ValueError(
+                f"world_size={world_size} CPU engines is more than this machine can "
+                f"run ({os.cpu_count()} cores): use at most {max_cpu_world_size()}"
+            )
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = float(timeout)
+        self.call_timeout = float(call_timeout)
+        self.engines = engines
+        self.start_timeout = start_timeout
+        self.heartbeat_ms = heartbeat_ms
+        self._cluster = None
+        self.client = None
+        self.view = None
+        self.rank_to_engine: dict[int, int] = {}
+        self.pids: dict[int, int] = {}
+        self.generation = 0
+        self._needs_reset = False
+        self._tmp = None
+        self.last_events: list[dict] = []
+        self.start_seconds: float | None = None
+
+    # ---- lifecycle --------------------------------------------------------------
+    def start(self) -> LabCluster:
+        import ipyparallel as ipp
+
+        t0 = time.perf_counter()
+        self._tmp = tempfile.mkdtemp(prefix="dtlab-cluster-")
+        self._cluster = ipp.Cluster(
+            n=self.world_size,
+            engines=self.engines,
+            controller_ip="127.0.0.1",  # loopback only
+            # the heartbeat period bounds start-up and dead-engine detection
+            controller_args=[f"--HeartMonitor.period={self.heartbeat_ms}"],
+            delay=0.1,
+            log_level=40,
+        )
+        _LIVE.add(self)
+        try:
+            self.client = self._cluster.start_and_connect_sync()
+            self.client.wait_for_engines(
+                self.world_size, timeout=self.start_timeout, interactive=False
+            )
+            ids = sorted(self.client.ids)[: self.world_size]
+            self.view = self.client[ids]
+            self.view.use_cloudpickle()
+            # explicit rank map: sorted engine ids -> ranks 0..N-1
+            self.rank_to_engine = dict(enumerate(ids))
+            pids = self.view.apply_async(os.getpid).get(timeout=self.start_timeout)
+            self.pids = dict(enumerate(pids))
+            self._init_world()
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+        return self
+
+    def _init_world(self) -> None:
+        """(Re)create the torch.distributed world on every engine."""
+        import torch
+
+        self.generation += 1
+        store_file = os.path.join(self._tmp, f"store-{self.generation}")
+        gpus = torch.cuda.device_count() if self.backend == "nccl" else 0
+        pending = []
+        for rank, eid in self.rank_to_engine.items():
+            device = rank % gpus if gpus else None
+            pending.append(
+                self.client[eid].apply_async(
+                    _engine.setup,
+                    rank,
+                    self.world_size,
+                    self.backend,
+                    store_file,
+                    self.timeout,
+                    device,
+                    self.generation,
+                )
+            )
+        self._wait(pending, timeout=self.timeout + 30, what="joining the process group")
+        for rank, eid in self.rank_to_engine.items():
+            self.client[eid].push({"rank": rank}, block=True)
+        self._needs_reset = False
+
+    def reset(self) -> LabCluster:
+        """A fresh process group on the same engines (after an error or a hang that
+        ended in a timeout). Engine state other than the group is kept."""
+        self._require_started()
+        self._check_alive()
+        self._init_world()
+        return self
+
+    def restart(self) -> LabCluster:
+        """Stop every engine and the controller, and start new ones."""
+        self.stop()
+        return self.start()
+
+    def stop(self) -> None:
+        """Stop the engines and the controller. Safe to call twice."""
+        cluster, self._cluster = self._cluster, None
+        if self.view is not None:
+            try:
+                self.view.apply_async(_engine.teardown).get(timeout=5)
+            except Exception:  # noqa: BLE001 - stopping anyway
+                pass
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.client = self.view = None
+        if cluster is not None:
+            try:
+                cluster.stop_cluster_sync()
+            except Exception:  # noqa: BLE001
+                pass
+        for pid in self.pids.values():  # whatever the launcher missed
+            _kill(pid)
+        self.pids = {}
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+        _LIVE.discard(self)
+
+    @property
+    def running(self) -> bool:
+        return self._cluster is not None and self.client is not None
+
+    def __enter__(self) -> LabCluster:
+        return self if self.running else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<LabCluster {self.world_size}×{self.backend} {state}>"
+
+    # ---- running code on every rank -------------------------------------------
+    def run(
+        self,
+        fn: Callable,
+        *args,
+        timeout: float | None = None,
+        record: bool = False,
+        on_events: Callable[[list[dict]], None] | None = None,
+        publish_interval: float = 0.1,
+        **kwargs,
+    ) -> list:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank
+        order.
+
+        ``record=True`` (or an ``on_events`` callback) turns telemetry on for the
+        call: every rank records comm/compute/memory events, ``on_events`` receives
+        batches live while the call runs, and all events end up in
+        :attr:`last_events` afterwards. ``timeout`` bounds the whole call (default:
+        the cluster's ``call_timeout``).
+        """
+        self._require_started()
+        if self._needs_reset:
+            self.reset()
+        _ship_by_value(fn)
+        record = record or on_events is not None
+        interval = publish_interval if on_events is not None else 0.0
+        pending = [
+            self.client[eid].apply_async(
+                _engine.call, fn, args, kwargs, record, interval
+            )
+            for _, eid in sorted(self.rank_to_engine.items())
+        ]
+        try:
+            out = self._wait(
+                pending,
+                timeout=timeout or self.call_timeout,
+                what=getattr(fn, "__name__", "the function"),
+                on_events=on_events,
+            )
+        except BaseException:
+            self._needs_reset = True
+            raise
+        values = [v for v, _ in out]
+        if record:
+            self.last_events = [e for _, events in out for e in (events or [])]
+        return values
+
+    def health(self) -> list[dict]:
+        """Each rank's view of itself: pid, process group up, broken reason."""
+        self._require_started()
+        return self._wait(
+            [
+                self.client[eid].apply_async(_engine.health)
+                for _, eid in sorted(self.rank_to_engine.items())
+            ],
+            timeout=10,
+            what="health check",
+        )
+
+    # ---- waiting, with failures turned into clear errors -----------------------
+    def _wait(self, pending, *, timeout, what, on_events=None):
+        import ipyparallel as ipp
+
+        deadline = time.monotonic() + timeout
+        seen: list[set] = [set() for _ in pending]
+        next_check = 0.0
+        try:
+            while True:
+                if on_events is not None:
+                    self._drain(pending, seen, on_events)
+                if all(ar.ready() for ar in pending):
+                    break
+                now = time.monotonic()
+                if now >= next_check:
+                    self._check_alive()
+                    next_check = now + 0.25
+                    # a failed rank means the rest will fail fast; keep waiting
+                if now > deadline:
+                    busy = [r for r, ar in enumerate(pending) if not ar.ready()]
+                    self._interrupt(busy)
+                    raise TimeoutError(
+                        f"{what} did not finish within {timeout:.0f}s on ranks {busy}; "
+                        "they were interrupted. If they stay busy, call "
+                        "cluster.restart()"
+                    )
+                pending[0].wait(0.02) if not pending[0].ready() else time.sleep(0.02)
+        except KeyboardInterrupt:
+            busy = [r for r, ar in enumerate(pending) if not ar.ready()]
+            self._interrupt(busy)
+            raise
+        if on_events is not None:
+            self._drain(pending, seen, on_events)
+        errors = []
+        results = []
+        for rank, ar in enumerate(pending):
+            try:
+                results.append(ar.get(timeout=0))
+            except ipp.error.RemoteError as exc:
+                errors.append((rank, exc))
+            except ipp.error.EngineError as exc:
+                raise EngineDied(
+                    f"rank {rank}'s engine died during {what}: {exc}; "
+                    "call cluster.restart()"
+                ) from None
+        if errors:
+            raise self._rank_error(errors, what)
+        return results
+
+    def _drain(self, pending, seen, on_events):
+        """Hand newly published telemetry batches to ``on_events`` (each batch is
+        published under its own key because the client keeps only the latest value
+        per key)."""
+        for i, ar in enumerate(pending):
+            data = ar.data
+            if not data:
+                continue
+            for key in sorted(k for k in data if k not in seen[i]):
+                seen[i].add(key)
+                on_events(data[key])
+
+    @staticmethod
+    def _rank_error(errors, what) -> RankError:
+        failures = []
+        for rank, exc in errors:
+            text = _ANSI.sub("", f"{exc.evalue}")
+            # dtlab.lab.engine.call prefixes its failures with the wall-clock time
+            m = re.match(r"@(\d+\.\d+) (.*)", text, re.S)
+            t_fail, body = (
+                (float(m.group(1)), m.group(2)) if m else (float("inf"), text)
+            )
+            message, _, tb = body.partition("\n")
+            if not tb:
+                tb = exc.traceback or ""
+                tb = _ANSI.sub("", tb if isinstance(tb, str) else "\n".join(tb))
+            failures.append((rank, message, tb, t_fail))
+        return rank_error(failures, what)
+
+    def _check_alive(self) -> None:
+        dead = [r for r, pid in self.pids.items() if not _alive(pid)]
+        if dead:
+            self._needs_reset = True
+            raise EngineDied(
+                f"engine of rank{'s' if len(dead) > 1 else ''} "
+                f"{', '.join(map(str, dead))} (pid "
+                f"{', '.join(str(self.pids[r]) for r in dead)}) is gone; "
+                "call cluster.restart() for new engines"
+            )
+
+    def _interrupt(self, ranks) -> None:
+        """SIGINT the engines of ``ranks``: Python code on them raises
+        KeyboardInterrupt, their process group is torn down, peers fail fast."""
+        for r in ranks:
+            pid = self.pids.get(r)
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+        self._needs_reset = True
+
+    def _require_started(self) -> None:
+        if not self.running:
+            raise RuntimeError(
+                "the cluster is not running: call cluster.start() or dtlab.lab.start()"
+            )
+
+
+def _ship_by_value(fn) -> None:
+    """Functions travel to the engines pickled. cloudpickle sends a function of an
+    importable module by *name*; that fails on an engine when the module is a
+    script or a test file the engine cannot import. Such modules (anything outside
+    site-packages and not dtlab itself) are sent by value instead."""
+    import sys
+
+    import cloudpickle
+
+    name = getattr(fn, "__module__", None) or "__main__"
+    module = sys.modules.get(name)
+    if name == "__main__" or module is None or name.split(".")[0] == "dtlab":
+        return
+    path = getattr(module, "__file__", None) or ""
+    if "site-packages" in path or "dist-packages" in path or not path:
+        return
+    if path.startswith(sys.base_prefix) and "/lib/python" in path:  # stdlib
+        return
+    try:
+        cloudpickle.register_pickle_by_value(module)
+    except ValueError:  # already registered
+        pass
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill(pid: int) -> None:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        proc.kill()
+        proc.wait(timeout=5)
+    except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+        pass
+
+
+def start(world_size: int | None = None, **kwargs) -> LabCluster:
+    """Start (or reuse) the notebook's cluster.
+
+    Re-running a notebook's start cell must not leave orphan engines: a running
+    cluster with the same settings is reused (its process group reset); any other
+    cluster this kernel started is stopped first.
+    """
+    for old in list(_LIVE):
+        same = (
+            old.running
+            and (world_size is None or old.world_size == world_size)
+            and all(getattr(old, k, None) == v for k, v in kwargs.items())
+        )
+        if same:
+            try:
+                return old.reset()
+            except Exception:  # noqa: BLE001 - fall through to a fresh start
+                pass
+        old.stop()
+    cluster = LabCluster(world_size, **kwargs).start()
+    try:  # make %%px cells target this cluster when running in IPython
+        from IPython import get_ipython
+
+        if get_ipython() is not None:
+            cluster.view.activate()
+    except ImportError:  # pragma: no cover
+        pass
+    return cluster
+
+
+def stop_all() -> None:
+    for cluster in list(_LIVE):
+        cluster.stop()
+
+
+atexit.register(stop_all)

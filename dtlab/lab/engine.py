@@ -1,0 +1,138 @@
+"""What runs inside each engine of the live cluster.
+
+The notebook (:mod:`dtlab.lab.cluster`) calls these functions on every engine. This
+module keeps each engine's state: its rank, the process-group generation, and
+whether the group was torn down after an error. It imports neither ipyparallel nor
+anything from the notebook side, except the publish function inside
+:class:`dtlab.telemetry.PublishSink`, which only exists on an engine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from dtlab import launch, telemetry
+from dtlab.topology import Layout, Topology
+
+state: dict = {"rank": None, "world_size": None, "generation": 0, "broken": None}
+
+
+def _user_ns() -> dict:
+    """The namespace ``%%px`` cells run in (IPython's user namespace)."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:  # pragma: no cover - engines always have IPython
+        shell = None
+    return shell.user_ns if shell is not None else {}
+
+
+def _drop_user_groups() -> None:
+    """Forget the ``topo`` given to ``%%px`` cells (it holds process groups)."""
+    ns = _user_ns()
+    if "topo" in ns:
+        ns["topo"] = None
+
+
+def _on_cell_error(result) -> None:
+    """IPython ``post_run_cell`` hook: a ``%%px`` cell that raised on this rank tears
+    the process group down, so peers blocked in a collective fail fast too."""
+    if result.error_in_exec is not None and dist.is_initialized():
+        state["broken"] = f"a %%px cell raised {type(result.error_in_exec).__name__}"
+        _drop_user_groups()
+        launch.abort_process_group()
+
+
+def setup(rank, world_size, backend, store_file, timeout, device, generation):
+    """Join the world as ``rank`` and expose ``rank``, ``world_size``, ``topo`` to
+    ``%%px`` cells. Called on every engine at start and at each reset."""
+    torch.set_num_threads(1)
+    launch.abort_process_group()  # leave any previous world first
+    launch.init_process_group(
+        rank,
+        world_size,
+        backend=backend,
+        store_file=store_file,
+        timeout=timeout,
+        device=device,
+    )
+    state.update(rank=rank, world_size=world_size, generation=generation, broken=None)
+    topo = Topology(Layout(dp=world_size), rank)
+    ns = _user_ns()
+    ns.update(rank=rank, world_size=world_size, topo=topo, dist=dist, torch=torch)
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None and _on_cell_error not in shell.events.callbacks.get(
+            "post_run_cell", []
+        ):
+            shell.events.register("post_run_cell", _on_cell_error)
+    except ImportError:  # pragma: no cover
+        pass
+    return {"rank": rank, "pid": os.getpid(), "host": os.uname().nodename}
+
+
+def health() -> dict:
+    return {
+        "rank": state["rank"],
+        "pid": os.getpid(),
+        "initialized": dist.is_initialized(),
+        "broken": state["broken"],
+        "generation": state["generation"],
+    }
+
+
+def teardown() -> None:
+    launch.abort_process_group()
+    state["broken"] = "stopped"
+
+
+class Failure(Exception):
+    """Carried back to the notebook when the user's function raised on this rank."""
+
+
+def call(fn, args, kwargs, record: bool, publish_interval: float):
+    """Run the user's ``fn`` on this rank.
+
+    On error the process group is destroyed *before* the exception leaves, so peers
+    stuck in a collective with this rank fail within milliseconds, and the error is
+    re-raised with the rank, the wall-clock time it happened (to tell the cause
+    from the consequences) and the traceback.
+    """
+    if state["broken"] is not None or not dist.is_initialized():
+        raise Failure(
+            f"rank {state['rank']}: no process group "
+            f"({state['broken'] or 'not set up'}); call cluster.reset()"
+        )
+    if record:
+        sinks = [telemetry.MemorySink()]
+        if publish_interval > 0:
+            sinks.append(telemetry.PublishSink(interval=publish_interval))
+        rec = telemetry.Recorder(state["rank"], sinks)
+    else:
+        rec = telemetry.OFF
+    failure = None
+    try:
+        with telemetry.use(rec):
+            value = fn(*args, **kwargs)
+        rec.flush()
+    except BaseException as exc:
+        failure = (
+            f"@{time.time():.6f} {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        )
+        state["broken"] = f"{type(exc).__name__} on rank {state['rank']}"
+    if failure is not None:
+        # outside the except block, so the traceback's frames (and any group they
+        # reference) are already released when the groups are torn down
+        _drop_user_groups()
+        launch.abort_process_group()
+        raise Failure(failure)
+    events = rec.events if record else None
+    return value, events
