@@ -1,0 +1,314 @@
+"""Every byte that crosses ranks goes through here, and is recorded.
+
+Taught in chapter 01 (collectives and the ring all-reduce).
+
+Each function wraps one ``torch.distributed`` call and, when a telemetry recorder is
+active (:func:`dtlab.telemetry.current`), records::
+
+    {rank, op, axis, dtype, numel, payload_bytes, wire_bytes, t_start, t_end, step, tag}
+
+``payload_bytes`` is the size of the logical tensor the op is about (for all-gather
+and reduce-scatter: the *full*, unsharded tensor). ``wire_bytes`` is what this rank
+sends under the ring algorithm (:func:`dtlab.estimate.wire_bytes`): all-reduce
+``2(N-1)/N·S``, reduce-scatter and all-gather ``(N-1)/N·S``, broadcast and send ``S``,
+receive 0. Dividing wire bytes by time gives the *bus bandwidth* the way nccl-tests
+reports it, a number that does not depend on N and can be compared with the link.
+
+``group`` may be an :class:`dtlab.topology.Axis` (its name is recorded as the axis),
+a raw process group (axis ``"group"``), or ``None`` (the default group, axis
+``"world"``). ``async_op=True`` returns a handle whose ``wait()`` closes the record.
+
+:func:`ring_all_reduce` builds an all-reduce from send/recv alone — reduce-scatter
+phase, then all-gather phase, ``2(N-1)`` steps — so its traffic is real traffic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dtlab import telemetry
+from dtlab.estimate import wire_bytes as _wire_bytes
+
+ReduceOp = dist.ReduceOp
+
+
+# ---- plumbing ---------------------------------------------------------------------
+def _resolve(group):
+    """(process group, axis name) for an Axis, a process group or None."""
+    if group is None:
+        return None, "world"
+    if hasattr(group, "ranks") and hasattr(group, "name"):  # a topology Axis
+        return group.group, group.name
+    return group, "group"
+
+
+def group_size(group=None) -> int:
+    pg, _ = _resolve(group)
+    return dist.get_world_size(pg)
+
+
+def group_rank(group=None) -> int:
+    pg, _ = _resolve(group)
+    return dist.get_rank(pg)
+
+
+def global_rank(group, group_rank_: int) -> int:
+    """The global rank of the ``group_rank_``-th member of ``group``."""
+    pg, _ = _resolve(group)
+    if pg is None:
+        return group_rank_
+    return dist.get_global_rank(pg, group_rank_)
+
+
+class _Recorded:
+    """An async work handle that records its event when waited on."""
+
+    def __init__(self, work, finish):
+        self._work = work
+        self._finish = finish
+        self._done = False
+
+    def wait(self, timeout=None):
+        if timeout is None:
+            self._work.wait()
+        else:
+            self._work.wait(timeout)
+        if not self._done:
+            self._done = True
+            self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run, *, payload=None):
+    """Run ``run()`` (the torch call) and record one comm event around it."""
+    rec = telemetry.current()
+    if not rec.enabled:
+        return run()
+    t_start = rec.now()
+    work = run()
+    nbytes = (
+        payload
+        if payload is not None
+        else tensor_for_bytes.numel() * tensor_for_bytes.element_size()
+    )
+    numel = nbytes // tensor_for_bytes.element_size()
+
+    def finish():
+        rec.emit(
+            "comm",
+            op=op,
+            axis=group_axis,
+            dtype=str(tensor_for_bytes.dtype).replace("torch.", ""),
+            numel=numel,
+            payload_bytes=nbytes,
+            wire_bytes=_wire_bytes(op, nbytes, n),
+            t_start=t_start,
+            t_end=rec.now(),
+            tag=tag,
+        )
+
+    if async_op:
+        return _Recorded(work, finish)
+    finish()
+    return work
+
+
+# ---- collectives ------------------------------------------------------------------
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, *, async_op=False, tag=None):
+    """In place: every rank ends with the reduction (default sum) of all ranks'
+    ``tensor``."""
+    pg, axis = _resolve(group)
+    n = dist.get_world_size(pg)
+    return _call(
+        "all_reduce",
+        tensor,
+        n,
+        axis,
+        async_op,
+        tag,
+        lambda: dist.all_reduce(tensor, op=op, group=pg, async_op=async_op),
+    )
+
+
+def reduce_scatter(
+    output, input, op=ReduceOp.SUM, group=None, *, async_op=False, tag=None
+):
+    """``input`` (the full tensor, N equal slices along dim 0) is reduced across ranks;
+    rank i receives slice i in ``output``."""
+    pg, axis = _resolve(group)
+    n = dist.get_world_size(pg)
+    if input.numel() != output.numel() * n:
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements, expected "
+            f"{n} x output ({output.numel()})"
+        )
+    return _call(
+        "reduce_scatter",
+        input,
+        n,
+        axis,
+        async_op,
+        tag,
+        lambda: dist.reduce_scatter_tensor(
+            output, input, op=op, group=pg, async_op=async_op
+        ),
+    )
+
+
+def all_gather(output, input, group=None, *, async_op=False, tag=None):
+    """Every rank's ``input`` concatenated along dim 0 into ``output`` on every rank."""
+    pg, axis = _resolve(group)
+    n = dist.get_world_size(pg)
+    if output.numel() != input.numel() * n:
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements, expected "
+            f"{n} x input ({input.numel()})"
+        )
+    return _call(
+        "all_gather",
+        output,
+        n,
+        axis,
+        async_op,
+        tag,
+        lambda: dist.all_gather_into_tensor(output, input, group=pg, async_op=async_op),
+    )
+
+
+def broadcast(tensor, src: int = 0, group=None, *, async_op=False, tag=None):
+    """``tensor`` of group rank ``src`` is copied to every rank of the group."""
+    pg, axis = _resolve(group)
+    n = dist.get_world_size(pg)
+    src_global = global_rank(group, src)
+    return _call(
+        "broadcast",
+        tensor,
+        n,
+        axis,
+        async_op,
+        tag,
+        lambda: dist.broadcast(tensor, src=src_global, group=pg, async_op=async_op),
+    )
+
+
+def barrier(group=None, *, tag=None):
+    pg, axis = _resolve(group)
+    rec = telemetry.current()
+    t_start = rec.now() if rec.enabled else 0.0
+    dist.barrier(group=pg)
+    if rec.enabled:
+        rec.emit(
+            "comm",
+            op="barrier",
+            axis=axis,
+            dtype=None,
+            numel=0,
+            payload_bytes=0,
+            wire_bytes=0,
+            t_start=t_start,
+            t_end=rec.now(),
+            tag=tag,
+        )
+
+
+# ---- point to point ---------------------------------------------------------------
+def send(tensor, dst: int, group=None, *, tag=None):
+    """Blocking send to group rank ``dst``."""
+    pg, axis = _resolve(group)
+    to = global_rank(group, dst)
+    return _call(
+        "send", tensor, 2, axis, False, tag, lambda: dist.send(tensor, dst=to, group=pg)
+    )
+
+
+def recv(tensor, src: int, group=None, *, tag=None):
+    """Blocking receive into ``tensor`` from group rank ``src``."""
+    pg, axis = _resolve(group)
+    frm = global_rank(group, src)
+    return _call(
+        "recv",
+        tensor,
+        2,
+        axis,
+        False,
+        tag,
+        lambda: dist.recv(tensor, src=frm, group=pg),
+    )
+
+
+def isend(tensor, dst: int, group=None, *, tag=None):
+    """Non-blocking send; call ``.wait()`` on the handle."""
+    pg, axis = _resolve(group)
+    to = global_rank(group, dst)
+    return _call(
+        "send", tensor, 2, axis, True, tag, lambda: dist.isend(tensor, dst=to, group=pg)
+    )
+
+
+def irecv(tensor, src: int, group=None, *, tag=None):
+    """Non-blocking receive; call ``.wait()`` on the handle."""
+    pg, axis = _resolve(group)
+    frm = global_rank(group, src)
+    return _call(
+        "recv",
+        tensor,
+        2,
+        axis,
+        True,
+        tag,
+        lambda: dist.irecv(tensor, src=frm, group=pg),
+    )
+
+
+# ---- the ring all-reduce, from send/recv ------------------------------------------
+def ring_all_reduce(tensor, group=None, *, tag="ring"):
+    """Sum ``tensor`` over the group in place with the ring algorithm (chapter 01).
+
+    The tensor is cut into N chunks. Ranks form a ring, each sending to ``r+1`` and
+    receiving from ``r-1``.
+
+    - *Reduce-scatter phase* (N-1 steps): at step s rank r sends chunk ``r-s`` and
+      adds the chunk it receives into chunk ``r-s-1``. Afterwards rank r holds the
+      full sum of chunk ``r+1``.
+    - *All-gather phase* (N-1 steps): the finished chunks travel once more round the
+      ring, each rank overwriting its copy.
+
+    Every rank sends ``2(N-1)`` chunks of ``S/N`` bytes: ``2(N-1)/N·S``, independent
+    of N for large N — why the ring is bandwidth-optimal.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError("ring_all_reduce works in place on a contiguous tensor")
+    n = group_size(group)
+    if n == 1 or tensor.numel() == 0:
+        return tensor
+    r = group_rank(group)
+    right, left = (r + 1) % n, (r - 1) % n
+    flat = tensor.view(-1)  # shares storage: chunks below are views into tensor
+    chunks = list(torch.tensor_split(flat, n))
+    incoming = torch.empty_like(chunks[0])  # tensor_split puts the largest first
+
+    def exchange(send_idx, recv_idx):
+        out = chunks[send_idx]
+        buf = incoming[: chunks[recv_idx].numel()]
+        # post the receive and the send together: blocking send then recv on every
+        # rank at once would be fine for small tensors but may deadlock for large
+        # ones on some transports
+        reqs = [
+            isend(out.contiguous(), right, group, tag=tag),
+            irecv(buf, left, group, tag=tag),
+        ]
+        for q in reqs:
+            q.wait()
+        return buf
+
+    for s in range(n - 1):  # reduce-scatter phase
+        buf = exchange((r - s) % n, (r - s - 1) % n)
+        chunks[(r - s - 1) % n].add_(buf)
+    for s in range(n - 1):  # all-gather phase
+        buf = exchange((r + 1 - s) % n, (r - s) % n)
+        chunks[(r - s) % n].copy_(buf)
+    return tensor
