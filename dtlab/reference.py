@@ -1,0 +1,135 @@
+"""The single-process trainer that every distributed strategy is compared against.
+
+Taught in chapter 00 (the baseline) and used by the parity tests of every later
+chapter: DDP, ZeRO, tensor and pipeline parallelism must reproduce these losses on the
+same global batches, exactly (``torch.equal``) where the order of floating-point sums
+allows it, within a stated tolerance otherwise.
+
+One step is :func:`reference_step`: forward on the whole global batch, mean loss,
+backward, optional global-norm clipping, AdamW update. Strategies reuse it (or its
+parts) so the only difference between them and this file is the distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dtlab.model import GPT, GPTConfig, SyntheticTokens
+
+__all__ = [
+    "ReferenceResult",
+    "make_optimizer",
+    "grad_norm",
+    "reference_step",
+    "train_reference",
+]
+
+
+def make_optimizer(
+    params,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+) -> torch.optim.AdamW:
+    """AdamW (Loshchilov & Hutter 2019) over ``params`` with eps 1e-8.
+
+    Weight decay applies to every parameter (nanoGPT exempts biases and LayerNorms);
+    one group keeps the sharded optimizers of the ZeRO chapters simple.
+    """
+    return torch.optim.AdamW(
+        params, lr=lr, betas=betas, weight_decay=weight_decay, eps=1e-8
+    )
+
+
+def grad_norm(parameters) -> float:
+    """Global L2 norm of all gradients, ``sqrt(sum_i ||g_i||^2)``, as a float."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    # per-tensor norms first, then the norm of norms: the order clip_grad_norm_ uses
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+
+def reference_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grad_clip: float | None = None,
+) -> dict[str, float]:
+    """One training step on one process: zero grads, forward, backward, clip, update.
+
+    ``model(x, y)`` must return ``(logits, loss)`` with ``loss`` the batch mean.
+    Returns ``{"loss", "grad_norm"}`` (the norm before clipping).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    _, loss = model(x, y)
+    loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip is not None:
+        if grad_clip <= 0:
+            raise ValueError(f"grad_clip must be positive, got {grad_clip}")
+        # clip_grad_norm_ returns the norm it measured before scaling
+        norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    else:
+        norm = grad_norm(params)
+    optimizer.step()
+    return {"loss": loss.item(), "grad_norm": norm}
+
+
+@dataclass
+class ReferenceResult:
+    """What :func:`train_reference` returns: one record per step and the final state."""
+
+    records: list[dict] = field(default_factory=list)
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records]
+
+
+def train_reference(
+    model_config: GPTConfig | None = None,
+    *,
+    steps: int,
+    global_batch_size: int,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    grad_clip: float | None = None,
+    seed: int = 0,
+    data_seed: int = 0,
+) -> ReferenceResult:
+    """Train ``GPT(model_config, seed)`` for ``steps`` AdamW steps on
+    ``SyntheticTokens(..., seed=data_seed).batch(step, global_batch_size)``.
+
+    Deterministic: the same arguments give bit-identical losses (and weights) in any
+    run with the same torch build and thread count. Each record is
+    ``{"step", "loss", "grad_norm", "lr", "tokens"}`` (``tokens`` seen so far).
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
+    config = model_config or GPTConfig()
+    model = GPT(config, seed=seed)
+    model.train()
+    optimizer = make_optimizer(model.parameters(), lr, weight_decay, betas)
+    data = SyntheticTokens(config.vocab_size, config.seq_len, seed=data_seed)
+    result = ReferenceResult(model=model, optimizer=optimizer)
+    for step in range(steps):
+        x, y = data.batch(step, global_batch_size)  # (B, T) each
+        out = reference_step(model, optimizer, x, y, grad_clip)
+        result.records.append(
+            {
+                "step": step,
+                "loss": out["loss"],
+                "grad_norm": out["grad_norm"],
+                "lr": lr,
+                "tokens": (step + 1) * x.numel(),
+            }
+        )
+    return result
