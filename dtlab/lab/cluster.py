@@ -72,6 +72,7 @@ class LabCluster:
         engines: str = "local",
         start_timeout: float = 120.0,
         heartbeat_ms: int = 500,
+        profile_dir: str | os.PathLike | None = None,
     ):
         import torch
 
@@ -115,6 +116,9 @@ class LabCluster:
         self.engines = engines
         self.start_timeout = start_timeout
         self.heartbeat_ms = heartbeat_ms
+        if profile_dir is not None and not os.path.isdir(profile_dir):
+            raise ValueError(f"no ipyparallel profile folder at {profile_dir!r}")
+        self.profile_dir = os.path.abspath(profile_dir) if profile_dir else None
         self._cluster = None
         self.client = None
         self.view = None
@@ -132,7 +136,7 @@ class LabCluster:
 
         t0 = time.perf_counter()
         self._tmp = tempfile.mkdtemp(prefix="dtlab-cluster-")
-        self._cluster = ipp.Cluster(
+        settings = dict(
             n=self.world_size,
             engines=self.engines,
             controller_ip="127.0.0.1",  # loopback only
@@ -141,6 +145,20 @@ class LabCluster:
             delay=0.1,
             log_level=40,
         )
+        if self.profile_dir is not None:
+            # a profile (cluster/local, cluster/ssh, cluster/slurm) decides where the
+            # controller and engines run; only the engine count comes from here. Its
+            # config files are copied to a private folder: ipyparallel writes logs
+            # and connection keys into the profile folder, which may be a checkout.
+            private = os.path.join(self._tmp, "profile")
+            os.makedirs(private)
+            for name in os.listdir(self.profile_dir):
+                if name.endswith("_config.py"):
+                    shutil.copy(os.path.join(self.profile_dir, name), private)
+            settings = dict(n=self.world_size, profile_dir=private, log_level=40)
+            if self.engines != "local":
+                settings["engines"] = self.engines
+        self._cluster = ipp.Cluster(**settings)
         _LIVE.add(self)
         try:
             self.client = self._cluster.start_and_connect_sync()

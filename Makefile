@@ -1,0 +1,37 @@
+# The course's two commands:  `make lab`  and  `make test`.
+# Both create .venv on first use and install the pinned versions into it
+# (torch first: on these machines any torch spec but the pin pulls a CUDA build).
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PORT   ?= 8888
+STAMP  := $(VENV)/.dtlab-installed
+
+.PHONY: lab test install lint clean figures
+
+lab: $(STAMP)
+	$(BIN)/dtlab lab --port $(PORT) $(LAB_ARGS)
+
+test: $(STAMP)
+	$(BIN)/ruff check dtlab tests notebooks
+	$(BIN)/ruff format --check dtlab tests notebooks
+	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=300 \
+		-p tests.nbval_guard notebooks
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$$(grep '^torch==' constraints.txt)"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+# The README's picture, from a real run on 4 CPU engines.
+figures: $(STAMP)
+	$(BIN)/python -m dtlab.lab.snapshot docs/dashboard.png
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,45 @@
+"""dtlab.launch.spawn: results in rank order, the failing rank named, bounded."""
+
+import time
+
+import pytest
+
+from dtlab.launch import RankError, rank_error, spawn
+
+
+def _boom_on_one():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise KeyError("missing on rank one")
+    dist.all_reduce(torch.ones(2))
+    return dist.get_rank()
+
+
+def test_spawn_names_the_failing_rank_and_does_not_wait_out_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn(_boom_on_one, 2, timeout=60)
+    assert info.value.rank == 1
+    assert "missing on rank one" in str(info.value)
+    assert "_boom_on_one" in info.value.remote_traceback
+    assert time.monotonic() - t0 < 40  # start-up plus fail-fast, not the 60 s timeout
+
+
+def test_rank_error_prefers_the_cause_over_its_consequences():
+    failures = [
+        (0, "RuntimeError: Connection closed by peer", "tb0", 10.0),
+        (3, "ValueError: bad shape", "tb3", 10.5),
+        (2, "DistBackendError: gloo timeout", "tb2", 9.0),
+    ]
+    err = rank_error(failures, "step")
+    assert err.rank == 3 and "bad shape" in str(err)
+    assert "[ranks [0, 2] failed after it]" in str(
+        err
+    ) and "(while running step)" in str(err)
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="world_size"):
+        spawn(_boom_on_one, 0)
