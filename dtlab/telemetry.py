@@ -31,18 +31,21 @@ import os
 import threading
 import time
 
-clock = time.perf_counter  # one clock for every event of a rank
+clock = time.perf_counter  # for throttling; event times use the wall clock below
 
 
 class Recorder:
     """Collects events of one rank and forwards them to its sinks."""
 
-    def __init__(self, rank: int = 0, sinks=None, *, enabled: bool = True):
+    def __init__(self, rank: int = 0, sinks=None, *, enabled: bool = True, epoch=None):
         self.rank = rank
         self.sinks = list(sinks) if sinks is not None else [MemorySink()]
         self.enabled = enabled
         self.step = 0
-        self.t0 = clock()  # events carry times relative to this
+        # Event times are seconds since ``epoch`` (a wall-clock time). Ranks that are
+        # given the same epoch share one time axis: on one host their clocks agree,
+        # so timelines of different ranks line up without guessing.
+        self.epoch = time.time() if epoch is None else float(epoch)
         self._lock = threading.Lock()
 
     # ---- writing events ---------------------------------------------------------
@@ -55,8 +58,8 @@ class Recorder:
                 sink.write(event)
 
     def now(self) -> float:
-        """Seconds since this recorder was made (the time axis of its events)."""
-        return clock() - self.t0
+        """Seconds since the recorder's epoch (the time axis of its events)."""
+        return time.time() - self.epoch
 
     @contextlib.contextmanager
     def span(self, name: str, *, stage: int = 0, microbatch: int | None = None, **kw):

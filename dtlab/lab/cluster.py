@@ -161,7 +161,9 @@ class LabCluster:
         self._cluster = ipp.Cluster(**settings)
         _LIVE.add(self)
         try:
-            self.client = self._cluster.start_and_connect_sync()
+            # not start_and_connect: in a notebook it draws a progress widget
+            self._cluster.start_cluster_sync()
+            self.client = self._cluster.connect_client_sync()
             self.client.wait_for_engines(
                 self.world_size, timeout=self.start_timeout, interactive=False
             )
@@ -286,9 +288,10 @@ class LabCluster:
         _ship_by_value(fn)
         record = record or on_events is not None
         interval = publish_interval if on_events is not None else 0.0
+        epoch = time.time()  # one time axis for every rank's events
         pending = [
             self.client[eid].apply_async(
-                _engine.call, fn, args, kwargs, record, interval
+                _engine.call, fn, args, kwargs, record, interval, epoch
             )
             for _, eid in sorted(self.rank_to_engine.items())
         ]

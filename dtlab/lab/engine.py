@@ -98,7 +98,7 @@ class Failure(Exception):
     """Carried back to the notebook when the user's function raised on this rank."""
 
 
-def call(fn, args, kwargs, record: bool, publish_interval: float):
+def call(fn, args, kwargs, record: bool, publish_interval: float, epoch: float):
     """Run the user's ``fn`` on this rank.
 
     On error the process group is destroyed *before* the exception leaves, so peers
@@ -115,7 +115,7 @@ def call(fn, args, kwargs, record: bool, publish_interval: float):
         sinks = [telemetry.MemorySink()]
         if publish_interval > 0:
             sinks.append(telemetry.PublishSink(interval=publish_interval))
-        rec = telemetry.Recorder(state["rank"], sinks)
+        rec = telemetry.Recorder(state["rank"], sinks, epoch=epoch)
     else:
         rec = telemetry.OFF
     failure = None
