@@ -586,3 +586,462 @@ def train_time(
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
     return training_flops(n_params, tokens) / (n_gpus * peak_flops * mfu)
+
+
+# ---- data parallelism: DDP bytes, buckets and overlap (chapter 02) -------------------
+def ddp_bytes_per_step(n_params: float, n: int, bytes_per_grad: float = 4) -> float:
+    """Bytes each rank sends per optimizer step under DDP: one ring all-reduce of all
+    Ψ gradients, ``2(N-1)/N · Ψ · bytes_per_grad``.
+
+    This is the ZeRO paper's "data parallelism moves 2Ψ per step" (Rajbhandari et al.
+    2020, §7.1): a reduce-scatter (Ψ) and an all-gather (Ψ), each scaled by (N-1)/N.
+    Bucketing changes how many calls carry it, not the total. Gradient accumulation
+    divides it per micro-batch: ``no_sync`` skips the all-reduce on all but the last.
+    """
+    if n_params < 0:
+        raise ValueError(f"n_params must be >= 0, got {n_params}")
+    if bytes_per_grad <= 0:
+        raise ValueError(f"bytes_per_grad must be positive, got {bytes_per_grad}")
+    return wire_bytes("all_reduce", n_params * bytes_per_grad, n)
+
+
+def ddp_bucket_assignment(sizes_bytes, cap_bytes: float) -> list[list[int]]:
+    """PyTorch DDP's bucketing rule: walk the tensors in the order given, put each
+    into the open bucket, and close the bucket as soon as it holds ``cap_bytes`` or
+    more (so a bucket may overshoot the cap by its last tensor, and one tensor larger
+    than the cap gets a bucket of its own). Returns lists of indices into
+    ``sizes_bytes``.
+
+    DDP passes its parameters in *reverse* registration order, the order in which
+    backward usually produces their gradients, so the first bucket fills first.
+    """
+    if not cap_bytes > 0:
+        raise ValueError(
+            f"cap_bytes must be positive, got {cap_bytes}: a bucket needs room for at "
+            "least one tensor"
+        )
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0.0
+    for i, size in enumerate(sizes_bytes):
+        if size < 0:
+            raise ValueError(f"tensor {i} has a negative size ({size} bytes)")
+        current.append(i)
+        filled += size
+        if filled >= cap_bytes:
+            buckets.append(current)
+            current, filled = [], 0.0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def ddp_overlap(
+    bucket_bytes,
+    n: int,
+    backward_s: float,
+    alpha_s: float,
+    bandwidth_Bps: float,
+) -> dict:
+    """A model of DDP's overlap of gradient all-reduces with the backward pass.
+
+    Assumptions: backward produces gradient bytes at a steady rate, so bucket i is
+    ready at ``backward_s`` times the share of bytes in buckets 0..i; the all-reduces
+    run one after another on one channel, each taking the α-β time of
+    :func:`collective_time`; bucket i starts when it is ready and its predecessor is
+    done (DDP launches buckets in order). What the step waits for after backward is
+    the *exposed* communication::
+
+        start_i = max(ready_i, end_{i-1}),  end_i = start_i + t_allreduce(bytes_i)
+        exposed = max(0, end_last - backward_s)
+
+    Few large buckets start late (the last one waits for the end of backward); many
+    small ones pay the latency α each time: the bucket size trades one for the other.
+    Returns ``{"calls", "ready", "start", "end", "comm_s", "exposed_s", "overlap"}``
+    where ``overlap`` is the hidden share of communication time (1 = all hidden).
+    """
+    sizes = [float(b) for b in bucket_bytes]
+    if backward_s < 0:
+        raise ValueError(f"backward_s must be >= 0, got {backward_s}")
+    if any(s < 0 for s in sizes):
+        raise ValueError("bucket sizes must be >= 0 bytes")
+    total = sum(sizes)
+    ready, start, end = [], [], []
+    filled, free_at = 0.0, 0.0
+    for size in sizes:
+        filled += size
+        t_ready = backward_s * (filled / total if total else 1.0)
+        t_start = max(t_ready, free_at)
+        t_comm = collective_time("all_reduce", size, n, alpha_s, bandwidth_Bps)
+        free_at = t_start + t_comm
+        ready.append(t_ready)
+        start.append(t_start)
+        end.append(free_at)
+    comm_s = sum(e - s for s, e in zip(start, end))
+    exposed = max(0.0, (end[-1] if end else 0.0) - backward_s)
+    return {
+        "calls": len(sizes),
+        "ready": ready,
+        "start": start,
+        "end": end,
+        "comm_s": comm_s,
+        "exposed_s": exposed,
+        "overlap": 1.0 - exposed / comm_s if comm_s > 0 else 1.0,
+    }
+
+
+# ---- pipeline parallelism: bubble, step time, activations in flight (chapter 05) ----
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def _check_pipeline(p: int, m: int, v: int = 1) -> None:
+    for name, value in (("p", p), ("m", m), ("v", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def pipeline_bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Idle share of each stage's step under GPipe or 1F1B: ``(p-1)/(m+p-1)``
+    (Huang et al. 2019, GPipe §2.2; Narayanan et al. 2021, §2.2.1).
+
+    ``p`` stages, ``m`` microbatches, each taking ``t_f + t_b`` per stage: the step
+    lasts ``(m + p - 1)(t_f + t_b)`` and each stage works ``m(t_f + t_b)`` of it.
+    Interleaving ``v`` chunks per rank divides the bubble *time* by ``v``
+    (§2.2.2): ``(p-1)/(v·m + p - 1)`` of the step.
+    """
+    _check_pipeline(p, m, v)
+    return (p - 1) / (v * m + p - 1)
+
+
+def pipeline_bubble_ratio(p: int, m: int, v: int = 1) -> float:
+    """Bubble time over ideal compute time, the Megatron paper's form:
+    ``(1/v)·(p-1)/m``. More microbatches shrink it, and so do more chunks."""
+    _check_pipeline(p, m, v)
+    return (p - 1) / (v * m)
+
+
+def pipeline_step_time(
+    p: int,
+    m: int,
+    t_f: float,
+    t_b: float,
+    *,
+    v: int = 1,
+    schedule: str = "1f1b",
+    t_w: float = 0.0,
+) -> float:
+    """Step time of a balanced pipeline with free communication.
+
+    ``t_f``, ``t_b``: forward and backward of one microbatch through one stage.
+    GPipe, 1F1B: ``(m + p - 1)(t_f + t_b)``; interleaved: ``(m + (p-1)/v)(t_f +
+    t_b)``; ZB-H1 (Qi et al. 2023, §3.1), backward split into ``t_b - t_w`` (input
+    gradient) and ``t_w`` (weight gradient): ``m(t_f + t_b) + (p-1)(t_f + t_b -
+    2·t_w)``.
+    """
+    _check_pipeline(p, m, v)
+    key = str(schedule).lower()
+    if key not in PIPELINE_SCHEDULES:
+        raise ValueError(
+            f"unknown schedule {schedule!r}: expected {PIPELINE_SCHEDULES}"
+        )
+    if key != "interleaved" and v != 1:
+        raise ValueError(f"v={v} chunks needs schedule='interleaved'")
+    work = m * (t_f + t_b)
+    if key == "zb-h1":
+        if not 0 <= t_w <= t_b:
+            raise ValueError(f"t_w must lie in [0, t_b={t_b}], got {t_w}")
+        return work + (p - 1) * (t_f + t_b - 2 * t_w)
+    return work + (p - 1) * (t_f + t_b) / v
+
+
+def pipeline_in_flight(
+    p: int, stage: int, m: int, schedule: str = "1f1b", v: int = 1
+) -> int:
+    """Peak number of microbatches whose activations stage ``stage`` holds at once.
+
+    - GPipe: ``m`` (every forward runs before any backward);
+    - 1F1B: ``min(p - stage, m)`` (warm-up of ``p - stage - 1`` plus one);
+    - interleaved (counted in microbatch-*chunks*, each ``1/v`` of the stage):
+      ``min(2(p - stage - 1) + (v - 1)·p + 1, v·m)``;
+    - ZB-H1: ``min(p, m)`` (each weight pass trails its backward by ``stage``).
+    """
+    _check_pipeline(p, m, v)
+    if not 0 <= stage < p:
+        raise ValueError(f"stage {stage} is outside 0..{p - 1}")
+    key = str(schedule).lower()
+    if key == "gpipe":
+        return m
+    if key == "1f1b":
+        return min(p - stage, m)
+    if key == "interleaved":
+        return min(2 * (p - stage - 1) + (v - 1) * p + 1, v * m)
+    if key == "zb-h1":
+        return min(p, m)
+    raise ValueError(f"unknown schedule {schedule!r}: expected {PIPELINE_SCHEDULES}")
+
+
+# ---- tensor parallelism: collectives and bytes per layer, step time (chapter 04) ----
+@dataclass(frozen=True)
+class Link:
+    """One interconnect as the α-β model sees it: ``bandwidth_Bps`` is what one GPU
+    can push in one direction (the bus bandwidth a ring reaches at best), ``alpha_s``
+    the latency of one ring step."""
+
+    name: str
+    bandwidth_Bps: float
+    alpha_s: float
+
+
+# Stated assumptions, per GPU. NVLink 4 on an H100 SXM: 900 GB/s both directions
+# together, 450 GB/s each way. InfiniBand NDR: 400 Gb/s = 50 GB/s, one NIC per GPU as
+# in a DGX H100. Ethernet: 100 Gb/s = 12.5 GB/s per GPU over TCP. Latencies are
+# typical orders of magnitude of one hop, not datasheet figures.
+LINKS: dict[str, Link] = {
+    "nvlink": Link("NVLink 4, in a node (450 GB/s)", 450e9, 2e-6),
+    "infiniband": Link("InfiniBand NDR, across nodes (50 GB/s)", 50e9, 5e-6),
+    "ethernet": Link("Ethernet 100 Gb/s, across nodes (12.5 GB/s)", 12.5e9, 25e-6),
+}
+
+
+def tp_collectives_per_layer(
+    sequence_parallel: bool = False,
+) -> dict[str, dict[str, int]]:
+    """Collectives one transformer layer runs on the tp group, per pass.
+
+    Megatron-LM (Shoeybi et al. 2019, §3): attention and MLP each have one f
+    (all-reduce backward) and one g (all-reduce forward): **2 all-reduces forward and
+    2 backward**. Sequence parallelism (Korthikanti et al. 2022, §4.2.2) turns each
+    all-reduce into an all-gather plus a reduce-scatter placed on either side of the
+    LayerNorm/dropout region: 2 of each forward and 2 of each backward.
+    """
+    if sequence_parallel:
+        both = {"all_gather": 2, "reduce_scatter": 2}
+        return {"forward": dict(both), "backward": dict(both)}
+    return {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+
+
+def tp_bytes_per_layer(
+    micro_batch: int,
+    seq_len: int,
+    d_model: int,
+    tp: int,
+    *,
+    bytes_per_value: float = 2,
+    sequence_parallel: bool = False,
+) -> dict:
+    """Bytes one layer moves on the tp group per training step.
+
+    Every collective is about the whole activation ``S = b·s·h·bytes_per_value``
+    (all-gather output, reduce-scatter input, all-reduce buffer). Per rank, under
+    the ring: 4 all-reduces send ``4 · 2(t-1)/t · S``; with sequence parallelism
+    4 all-gathers and 4 reduce-scatters send ``8 · (t-1)/t · S``, the same bytes.
+    Returns ``{"payload_bytes": S, "calls": {...}, "wire_bytes": per rank}``.
+    """
+    for name, value in (
+        ("micro_batch", micro_batch),
+        ("seq_len", seq_len),
+        ("d_model", d_model),
+        ("tp", tp),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    S = micro_batch * seq_len * d_model * bytes_per_value
+    calls = tp_collectives_per_layer(sequence_parallel)
+    wire = sum(
+        count * wire_bytes(op, S, tp)
+        for per_pass in calls.values()
+        for op, count in per_pass.items()
+    )
+    return {"payload_bytes": S, "calls": calls, "wire_bytes": wire}
+
+
+def tp_layer_flops(
+    micro_batch: int, seq_len: int, d_model: int, d_ff: int | None = None
+) -> float:
+    """Training FLOPs (forward + backward = 3 × forward) of one GPT layer:
+    ``3 · b·s · (8h² + 4·h·d_ff + 4·s·h)``; with ``d_ff = 4h`` this is Narayanan et
+    al. 2021's ``72·b·s·h²·(1 + s/6h)`` (§5.1). Tensor parallelism divides it by t."""
+    h, f = d_model, 4 * d_model if d_ff is None else d_ff
+    return 3.0 * micro_batch * seq_len * (8 * h * h + 4 * h * f + 4 * seq_len * h)
+
+
+def tp_step_time(
+    n_layers: int,
+    micro_batch: int,
+    seq_len: int,
+    d_model: int,
+    tp: int,
+    *,
+    link: str | Link = "nvlink",
+    peak_flops: float = 989e12,
+    mfu: float = 0.5,
+    d_ff: int | None = None,
+    bytes_per_value: float = 2,
+    sequence_parallel: bool = False,
+) -> dict[str, float]:
+    """Time of one micro-batch through ``n_layers`` tensor-parallel layers when the
+    tp group talks over ``link`` (a key of :data:`LINKS`, or a :class:`Link`).
+
+    Compute: :func:`tp_layer_flops` ``/ t`` at ``mfu`` of ``peak_flops`` (default an
+    H100's dense bf16). Communication: the collectives of
+    :func:`tp_collectives_per_layer`, each timed by :func:`collective_time`. TP's
+    collectives sit on the critical path (the next matmul needs their result), so
+    the two add up. Returns ``{"compute_s", "comm_s", "total_s", "comm_fraction"}``.
+    """
+    if isinstance(link, str):
+        if link not in LINKS:
+            raise ValueError(f"unknown link {link!r}: expected one of {list(LINKS)}")
+        link = LINKS[link]
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    per_layer = tp_bytes_per_layer(
+        micro_batch,
+        seq_len,
+        d_model,
+        tp,
+        bytes_per_value=bytes_per_value,
+        sequence_parallel=sequence_parallel,
+    )
+    S = per_layer["payload_bytes"]
+    comm_layer = sum(
+        count * collective_time(op, S, tp, link.alpha_s, link.bandwidth_Bps)
+        for per_pass in per_layer["calls"].values()
+        for op, count in per_pass.items()
+    )
+    flops = tp_layer_flops(micro_batch, seq_len, d_model, d_ff) / tp
+    compute = n_layers * flops / (peak_flops * mfu)
+    comm_s = n_layers * comm_layer
+    total = compute + comm_s
+    return {
+        "compute_s": compute,
+        "comm_s": comm_s,
+        "total_s": total,
+        "comm_fraction": comm_s / total if total else 0.0,
+    }
+
+
+def tp_params_per_rank(
+    n_layers: int,
+    d_model: int,
+    vocab_size: int,
+    tp: int,
+    *,
+    seq_len: int = 0,
+    d_ff: int | None = None,
+    bias: bool = False,
+    layernorm: bool = False,
+    tied_embeddings: bool = True,
+) -> int:
+    """Parameters one tensor-parallel rank holds (Megatron's split, dtlab's GPT).
+
+    Sharded over t: q, k, v, the MLP's first matrix (columns) with their biases,
+    the output projections (rows), and the vocabulary, padded to a multiple of t.
+    Replicated: LayerNorms, position embeddings, and the row-parallel layers'
+    biases (added once, after the all-reduce). Roughly ``12Lh²/t + Vh/t``; for
+    ``tp=1`` it equals :func:`model_params`.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    h, f = d_model, 4 * d_model if d_ff is None else d_ff
+    for what, n in (("d_model", h), ("d_ff", f)):
+        if n % tp:
+            raise ValueError(f"tp={tp} does not divide {what}={n}")
+    per_layer = (4 * h * h + 2 * h * f) // tp
+    if bias:
+        per_layer += (3 * h + f) // tp + 2 * h  # column biases split, row ones whole
+    if layernorm:
+        per_layer += 4 * h
+    v_local = -(-vocab_size // tp)  # padded_vocab(V, t) / t rows
+    total = n_layers * per_layer + v_local * h + seq_len * h
+    if not tied_embeddings:
+        total += v_local * h
+    if layernorm:
+        total += 2 * h
+    return total
+
+
+# ---- ZeRO: what dtlab.zero holds and sends per rank (chapter 03) ---------------------
+def zero_states_per_rank(
+    n_params: float,
+    world_size: int,
+    stage: int,
+    precision: str = "mixed",
+    optimizer: str = "adam",
+    *,
+    offload: bool = False,
+) -> dict[str, float]:
+    """Model-state bytes one rank of :class:`dtlab.zero.FullyShardedDataParallel`
+    holds at the end of a backward pass: :func:`zero_memory_per_device` (ZeRO §5.1),
+    plus the one thing a plain torch optimizer adds, split into device and host.
+
+    A torch optimizer steps a tensor with a ``.grad`` of its own dtype, so when the
+    master weights differ from the compute weights (``"mixed"``, or any ``offload``)
+    the optimizer reads a *master-precision gradient slice* of ``4Ψ/N_s`` bytes
+    (``N_s`` = N from stage 1 on, 1 at stage 0), where the paper counts the 2-byte
+    gradient. FSDP2 does the same. Everything else is the paper's: params and the
+    optimizer's K (master copy included) agree exactly.
+
+    ``offload=True`` (ZeRO-Offload, Ren et al. 2021): the master slice, its
+    gradient and the optimizer state are on the host (``host_*`` keys); the device
+    keeps the compute weights and, at stages 0-1, the full gradients.
+    Returns ``params, grads, optimizer, total`` (device) and ``host_params,
+    host_grads, host_optimizer, host``.
+    """
+    paper = zero_memory_per_device(n_params, world_size, stage, precision, optimizer)
+    precision = _norm_choice(precision, PRECISIONS, _PRECISION_ALIASES, "precision")
+    b = bytes_per_param(precision, optimizer)
+    n_s = world_size if stage >= 1 else 1
+    master_bytes = 2 if precision == "bf16" else 4
+    separate = precision == "mixed" or bool(offload)
+    # the optimizer's own states (momentum, variance): K without the master copy
+    states = (b.optimizer - (4 if precision == "mixed" else 0)) * n_params / n_s
+    master = master_bytes * n_params / n_s if separate else 0.0
+    full_grads = b.grads * n_params if stage <= 1 else 0.0
+    # without a separate master, stages 0-1 step a view of the full gradients
+    grad_slice = master_bytes * n_params / n_s if (separate or stage >= 2) else 0.0
+    out = {"params": paper["params"], "host_params": 0.0}
+    if offload:
+        out.update(grads=full_grads, optimizer=0.0)
+        out.update(host_grads=grad_slice, host_optimizer=states + master)
+    else:
+        out.update(grads=full_grads + grad_slice, optimizer=states + master)
+        out.update(host_grads=0.0, host_optimizer=0.0)
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    out["host"] = out["host_params"] + out["host_grads"] + out["host_optimizer"]
+    return out
+
+
+def zero_comm_per_step(
+    n_params: float, world_size: int, stage: int, bytes_per_value: float = 2
+) -> dict[str, float]:
+    """Communication of one ZeRO-DP step per rank (ZeRO §7.2).
+
+    Payload S = Ψ · ``bytes_per_value``: stage 0 all-reduces the gradients (S);
+    stages 1-2 reduce-scatter the gradients and all-gather the updated parameters
+    (S + S); stage 3 all-gathers the parameters before forward and again before
+    backward and reduce-scatters the gradients (2S + S). Under the ring algorithm
+    an all-reduce sends as much as a reduce-scatter plus an all-gather, so the wire
+    bytes are ``2(N-1)/N · S`` for stages 0-2 and ``3(N-1)/N · S`` for stage 3: the
+    paper's 2Ψ and 3Ψ (``psi_multiple``), ZeRO-3's 1.5x.
+
+    Returns the payload bytes per op (``all_reduce``, ``reduce_scatter``,
+    ``all_gather``), ``payload`` and ``wire`` totals, and ``psi_multiple``.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"unknown ZeRO stage {stage!r}: expected 0, 1, 2 or 3")
+    if n_params < 0 or bytes_per_value <= 0:
+        raise ValueError("n_params must be >= 0 and bytes_per_value positive")
+    S = n_params * bytes_per_value
+    ops = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    if stage == 0:
+        ops["all_reduce"] = S
+    else:
+        ops["reduce_scatter"] = S
+        ops["all_gather"] = 2 * S if stage == 3 else S
+    wire = sum(wire_bytes(op, s, world_size) for op, s in ops.items())
+    return {
+        **ops,
+        "payload": sum(ops.values()),
+        "wire": wire,
+        "psi_multiple": 3 if stage == 3 else 2,
+    }

@@ -1,0 +1,203 @@
+"""A static dashboard from a real run: ``python -m dtlab.lab.snapshot OUT.png``.
+
+Makes the README picture (``docs/dashboard.png``) and shows, in one script, what
+chapter 01 does in a notebook: start a 4-engine CPU cluster, run real collectives
+with telemetry on, and put each measurement next to its prediction.
+
+The four panels:
+
+1. bytes each rank sent during a ring all-reduce built from send/recv
+   (:func:`dtlab.comm.ring_all_reduce`) against ``2(N-1)/N·S``;
+2. all-reduce time against message size, 1 KB to 4 MB, with the α-β fit;
+3. the timeline of a few data-parallel-like steps (compute spans, then an
+   all-reduce of the "gradients");
+4. bytes sent per op over a mix of collectives against the ring formulas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from dtlab import comm, estimate, telemetry
+from dtlab.lab import plots
+
+SIZES = [2**k for k in range(10, 23, 2)]  # 1 KiB .. 4 MiB payloads
+RING_BYTES = 1 << 20  # the ring all-reduce's tensor: 1 MiB of fp32
+
+
+# ---- what every rank runs -------------------------------------------------------
+def sweep_all_reduce(sizes, reps: int):
+    """All-reduce each size ``reps`` times (after one untimed warm-up), a barrier
+    before each so every call starts together and its duration is the op's."""
+    for size in sizes:
+        x = torch.ones(size // 4)  # fp32: size bytes
+        comm.all_reduce(x, tag="warm-up")
+        for _ in range(reps):
+            comm.barrier(tag="sweep")
+            comm.all_reduce(x, tag="sweep")
+
+
+def ring(nbytes: int):
+    """The course's ring all-reduce; returns whether it matched ``dist.all_reduce``."""
+    import torch.distributed as dist
+
+    r = dist.get_rank()
+    x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(r))
+    expected = x.clone()
+    dist.all_reduce(expected)  # torch directly, so the check is not recorded
+    comm.ring_all_reduce(x, tag="ring")
+    # the ring adds in another order than gloo: equal up to fp32 rounding
+    return bool(torch.allclose(x, expected, rtol=1e-5, atol=1e-5))
+
+
+def steps(n_steps: int = 3, width: int = 384):
+    """A data-parallel-like loop: forward and backward spans of real matmuls, then
+    the all-reduce of a gradient-sized buffer."""
+    rec = telemetry.current()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(width, width, generator=g)
+    x = torch.randn(256, width, generator=g)
+    for step in range(n_steps):
+        rec.step = step
+        with rec.span("F"):
+            h = torch.tanh(x @ w)  # (256, width)
+        with rec.span("B"):
+            grad = x.T @ (1 - h * h)  # (width, width), same size as w
+        comm.all_reduce(grad, tag="grads")
+        with rec.span("opt"):
+            w -= 1e-3 * grad
+
+
+def mix(nbytes: int = 1 << 18):
+    """One of each collective on the same payload."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    x = torch.ones(nbytes // 4)
+    comm.broadcast(x, src=0)
+    comm.all_reduce(x)
+    shard = torch.empty(x.numel() // n)
+    comm.reduce_scatter(shard, x)
+    comm.all_gather(x, shard)
+
+
+# ---- the notebook side ------------------------------------------------------------
+def collect(cluster, *, reps: int = 5, timeout: float = 120) -> dict:
+    """Run everything on ``cluster`` and return the recorded events and numbers."""
+    n = cluster.world_size
+    cluster.run(sweep_all_reduce, SIZES, reps, record=True, timeout=timeout)
+    sweep = cluster.last_events
+    ok = cluster.run(ring, RING_BYTES, record=True, timeout=timeout)
+    if not all(ok):
+        raise AssertionError(f"ring all-reduce differs from dist.all_reduce: {ok}")
+    ring_events = cluster.last_events
+    cluster.run(steps, record=True, timeout=timeout)
+    step_events = cluster.last_events
+    cluster.run(mix, record=True, timeout=timeout)
+    mix_events = cluster.last_events
+
+    sizes, times = plots.collective_times(sweep, "all_reduce", tag="sweep")
+    mid = plots.summarize_times(times)
+    wire = [estimate.wire_bytes("all_reduce", s, n) for s in sizes]
+    return {
+        "n": n,
+        "sizes": sizes,
+        "times": times,
+        "fit": estimate.fit_alpha_beta(wire, mid),
+        "busbw": [
+            estimate.bus_bandwidth("all_reduce", s, n, t) for s, t in zip(sizes, mid)
+        ],
+        "ring_events": ring_events,
+        "step_events": step_events,
+        "mix_events": mix_events,
+    }
+
+
+def dashboard(data: dict):
+    """The 2x2 figure from :func:`collect`'s output."""
+    from plotly.subplots import make_subplots
+
+    n = data["n"]
+    ring_pred = estimate.wire_bytes("all_reduce", RING_BYTES, n)
+    fig = make_subplots(
+        rows=2,
+        cols=2,
+        subplot_titles=[
+            f"Ring all-reduce of {RING_BYTES >> 20} MiB from send/recv: "
+            f"bytes sent vs 2(N-1)/N·S, N={n}",
+            "All-reduce time vs message size, α-β fit",
+            "Timeline of 3 steps: compute, then all-reduce of grads",
+            "Bytes sent by op (broadcast, all-reduce, reduce-scatter, all-gather)",
+        ],
+        horizontal_spacing=0.1,
+        vertical_spacing=0.14,
+    )
+    sends = telemetry.comm_events(data["ring_events"], op="send")
+    plots.traffic_figure(sends, predicted=ring_pred, key="op", fig=fig, row=1, col=1)
+    plots.collective_time_figure(
+        data["sizes"],
+        data["times"],
+        data["fit"],
+        op="all_reduce",
+        n=n,
+        name="all-reduce (median of reps)",
+        fig=fig,
+        row=1,
+        col=2,
+    )
+    plots.timeline_figure(data["step_events"], fig=fig, row=2, col=1)
+    plots.traffic_figure(data["mix_events"], key="op", fig=fig, row=2, col=2)
+    fig.update_layout(
+        height=900,
+        width=1500,
+        title=(
+            f"dtlab: collectives on a live {n}-rank gloo cluster, measured vs predicted"
+        ),
+        legend=dict(tracegroupgap=4, font=dict(size=11)),
+        margin=dict(t=90),
+    )
+    fig.update_annotations(font_size=13)
+    return fig
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dtlab.lab.snapshot",
+        description="Run real collectives on a 4-engine CPU cluster and write a "
+        "dashboard PNG (the README picture).",
+    )
+    parser.add_argument("out", nargs="?", default="docs/dashboard.png")
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
+
+    from dtlab.lab import LabCluster
+
+    t0 = time.perf_counter()
+    cluster = LabCluster(args.world_size, backend="gloo")
+    try:
+        cluster.start()
+        data = collect(cluster, reps=args.reps)
+    finally:
+        cluster.stop()
+    fit = data["fit"]
+    print(
+        f"{args.world_size} ranks: all-reduce α = {fit.alpha_s * 1e6:,.0f} µs, "
+        f"1/β = {fit.bandwidth_Bps / 1e9:.2f} GB/s; bus bandwidth at 4 MiB "
+        f"{data['busbw'][-1] / 1e9:.2f} GB/s"
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    plots.save_png(dashboard(data), args.out)
+    print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
