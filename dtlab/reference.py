@@ -12,11 +12,13 @@ parts) so the only difference between them and this file is the distribution.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from dtlab import amp
 from dtlab.model import GPT, GPTConfig, SyntheticTokens
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "make_optimizer",
     "grad_norm",
     "reference_step",
+    "amp_reference_step",
     "train_reference",
 ]
 
@@ -80,6 +83,22 @@ def reference_step(
     return {"loss": loss.item(), "grad_norm": norm}
 
 
+def amp_reference_step(
+    model: nn.Module, optimizer: amp.MixedPrecisionOptimizer, x, y
+) -> dict[str, float]:
+    """:func:`reference_step` under a mixed-precision policy: scaled backward, fp32
+    master step (skipped on overflow), masters copied back into the 16-bit model."""
+    optimizer.zero_grad()
+    _, loss = model(x, y)
+    optimizer.backward(loss)
+    scale = optimizer.scaler.scale_value
+    stepped = optimizer.step()
+    # the norm of the unscaled fp32 master gradients (inf when the step was skipped)
+    norm = grad_norm(optimizer.masters) if stepped else math.inf
+    return {"loss": loss.float().item(), "grad_norm": norm, "scale": scale,
+            "skipped": not stepped}  # fmt: skip
+
+
 @dataclass
 class ReferenceResult:
     """What :func:`train_reference` returns: one record per step and the final state."""
@@ -104,9 +123,15 @@ def train_reference(
     grad_clip: float | None = None,
     seed: int = 0,
     data_seed: int = 0,
+    precision: str = "fp32",
 ) -> ReferenceResult:
     """Train ``GPT(model_config, seed)`` for ``steps`` AdamW steps on
     ``SyntheticTokens(..., seed=data_seed).batch(step, global_batch_size)``.
+
+    ``precision`` ("fp32", "bf16", "fp16"; :mod:`dtlab.amp`) makes the same casts a
+    mixed-precision strategy makes: the model computes in 16 bits, AdamW steps fp32
+    master weights, fp16 scales the loss (records then carry ``scale`` and
+    ``skipped``). Mixed-precision strategies are compared against this.
 
     Deterministic: the same arguments give bit-identical losses (and weights) in any
     run with the same torch build and thread count. Each record is
@@ -117,19 +142,30 @@ def train_reference(
     config = model_config or GPTConfig()
     model = GPT(config, seed=seed)
     model.train()
-    optimizer = make_optimizer(model.parameters(), lr, weight_decay, betas)
+    pol = amp.policy(precision)
+    if pol.has_master_copy:
+        model.to(pol.compute_dtype)
+        optimizer = amp.MixedPrecisionOptimizer(
+            model.parameters(), torch.optim.AdamW, pol, groups=(),
+            grad_clip=grad_clip, lr=lr, betas=betas, weight_decay=weight_decay,
+            eps=1e-8,
+        )  # fmt: skip
+    else:
+        optimizer = make_optimizer(model.parameters(), lr, weight_decay, betas)
     data = SyntheticTokens(config.vocab_size, config.seq_len, seed=data_seed)
     result = ReferenceResult(model=model, optimizer=optimizer)
     for step in range(steps):
         x, y = data.batch(step, global_batch_size)  # (B, T) each
-        out = reference_step(model, optimizer, x, y, grad_clip)
+        if pol.has_master_copy:
+            out = amp_reference_step(model, optimizer, x, y)
+        else:
+            out = reference_step(model, optimizer, x, y, grad_clip)
         result.records.append(
             {
                 "step": step,
-                "loss": out["loss"],
-                "grad_norm": out["grad_norm"],
                 "lr": lr,
                 "tokens": (step + 1) * x.numel(),
+                **out,
             }
         )
     return result
