@@ -66,6 +66,17 @@ def test_error_on_one_rank_is_reported_fast_with_its_rank(lab_cluster):
     assert cluster.run(_rank_and_sum)[3] == (3, 4, 6.0)
 
 
+def test_a_failed_px_cell_does_not_break_the_next_run(lab_cluster):
+    cluster = lab_cluster(4)
+    eid = cluster.rank_to_engine[1]
+    # what a %%px cell that raises does: IPython's post_run_cell hook on the engine
+    # tears the group down so peers blocked in a collective fail fast
+    with pytest.raises(Exception, match="ZeroDivisionError"):
+        cluster.client[eid].execute("1 / 0", silent=False, block=True)  # as %%px
+    assert cluster.health()[1]["initialized"] is False
+    assert cluster.run(_rank_and_sum)[1] == (1, 4, 6.0)
+
+
 def test_live_telemetry_reaches_the_notebook(lab_cluster):
     from dtlab import comm
 

@@ -48,6 +48,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # clusters started by this process
 
 
+class _WorldDown(RuntimeError):
+    """Ranks found their process group gone before running anything."""
+
+
 class EngineDied(RuntimeError):
     """An engine process exited while the cluster was using it."""
 
@@ -283,28 +287,36 @@ class LabCluster:
         the cluster's ``call_timeout``).
         """
         self._require_started()
-        if self._needs_reset:
-            self.reset()
         _ship_by_value(fn)
         record = record or on_events is not None
         interval = publish_interval if on_events is not None else 0.0
-        epoch = time.time()  # one time axis for every rank's events
-        pending = [
-            self.client[eid].apply_async(
-                _engine.call, fn, args, kwargs, record, interval, epoch
-            )
-            for _, eid in sorted(self.rank_to_engine.items())
-        ]
-        try:
-            out = self._wait(
-                pending,
-                timeout=timeout or self.call_timeout,
-                what=getattr(fn, "__name__", "the function"),
-                on_events=on_events,
-            )
-        except BaseException:
-            self._needs_reset = True
-            raise
+        for attempt in range(2):
+            if self._needs_reset:
+                self.reset()
+            epoch = time.time()  # one time axis for every rank's events
+            pending = [
+                self.client[eid].apply_async(
+                    _engine.call, fn, args, kwargs, record, interval, epoch
+                )
+                for _, eid in sorted(self.rank_to_engine.items())
+            ]
+            try:
+                out = self._wait(
+                    pending,
+                    timeout=timeout or self.call_timeout,
+                    what=getattr(fn, "__name__", "the function"),
+                    on_events=on_events,
+                )
+                break
+            except _WorldDown:
+                # a %%px cell failed on some rank and took the group down: nothing
+                # of fn ran yet, so reset and run it once more
+                self._needs_reset = True
+                if attempt:
+                    raise
+            except BaseException:
+                self._needs_reset = True
+                raise
         values = [v for v, _ in out]
         if record:
             self.last_events = [e for _, events in out for e in (events or [])]
@@ -348,7 +360,9 @@ class LabCluster:
                         "they were interrupted. If they stay busy, call "
                         "cluster.restart()"
                     )
-                pending[0].wait(0.02) if not pending[0].ready() else time.sleep(0.02)
+                waiting = next((ar for ar in pending if not ar.ready()), None)
+                if waiting is not None:
+                    waiting.wait(0.02)
         except KeyboardInterrupt:
             busy = [r for r, ar in enumerate(pending) if not ar.ready()]
             self._interrupt(busy)
@@ -368,6 +382,8 @@ class LabCluster:
                     "call cluster.restart()"
                 ) from None
         if errors:
+            if all(_engine.NO_GROUP in str(exc.evalue) for _, exc in errors):
+                raise _WorldDown(self._rank_error(errors, what))
             raise self._rank_error(errors, what)
         return results
 

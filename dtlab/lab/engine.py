@@ -94,6 +94,9 @@ def teardown() -> None:
     state["broken"] = "stopped"
 
 
+NO_GROUP = "[no process group]"
+
+
 class Failure(Exception):
     """Carried back to the notebook when the user's function raised on this rank."""
 
@@ -107,10 +110,25 @@ def call(fn, args, kwargs, record: bool, publish_interval: float, epoch: float):
     from the consequences) and the traceback.
     """
     if state["broken"] is not None or not dist.is_initialized():
+        # the notebook side recognises this prefix, resets the world and retries
         raise Failure(
-            f"rank {state['rank']}: no process group "
+            f"{NO_GROUP} rank {state['rank']}: no process group "
             f"({state['broken'] or 'not set up'}); call cluster.reset()"
         )
+    try:
+        # Pre-flight: is every rank still in the world? A rank whose group went down
+        # (a failed %%px cell) makes this barrier fail on every rank at once, before
+        # any of fn runs, so the notebook can reset and run fn again.
+        dist.barrier()
+    except Exception as exc:  # noqa: BLE001 - reported as NO_GROUP
+        state["broken"] = "a peer's process group is gone"
+        message = f"{NO_GROUP} rank {state['rank']}: {type(exc).__name__}: {exc}"
+    else:
+        message = None
+    if message is not None:
+        _drop_user_groups()
+        launch.abort_process_group()
+        raise Failure(message)
     if record:
         sinks = [telemetry.MemorySink()]
         if publish_interval > 0:
