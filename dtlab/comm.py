@@ -24,6 +24,8 @@ phase, then all-gather phase, ``2(N-1)`` steps — so its traffic is real traffi
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -61,26 +63,49 @@ def global_rank(group, group_rank_: int) -> int:
     return dist.get_global_rank(pg, group_rank_)
 
 
+class _Once:
+    """Calls ``fn`` the first time it is called, never again (thread-safe)."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._lock = threading.Lock()
+
+    def __call__(self, *_):
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
 class _Recorded:
-    """An async work handle that records its event when waited on."""
+    """An async work handle whose event is recorded when the operation completes
+    (through the work's future, so ``t_end`` is the completion time, not the time
+    someone waited), or at ``wait()`` where the backend gives no future."""
 
     def __init__(self, work, finish):
         self._work = work
-        self._finish = finish
-        self._done = False
+        self._record = _Once(finish)
+        try:
+            # the callback holds only the recording, never the work: a future whose
+            # callback reaches its own Work is a reference cycle through C++ that
+            # Python cannot collect, and a leaked gloo Work keeps its sockets open
+            work.get_future().add_done_callback(self._record)
+        except (AttributeError, RuntimeError):  # e.g. p2p work without a future
+            pass
 
     def wait(self, timeout=None):
         if timeout is None:
             self._work.wait()
         else:
             self._work.wait(timeout)
-        if not self._done:
-            self._done = True
-            self._finish()
+        self._record()
         return True
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+    def get_future(self):
+        return self._work.get_future()
 
 
 def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run, *, payload=None):

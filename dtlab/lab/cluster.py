@@ -205,6 +205,7 @@ class LabCluster:
                     self.timeout,
                     device,
                     self.generation,
+                    list(self.pids.values()),
                 )
             )
         self._wait(pending, timeout=self.timeout + 30, what="joining the process group")
@@ -300,12 +301,20 @@ class LabCluster:
                 )
                 for _, eid in sorted(self.rank_to_engine.items())
             ]
+            delivered = [0] * len(pending)  # events handed to on_events, per rank
+            live = None
+            if on_events is not None:
+
+                def live(rank, batch, delivered=delivered):
+                    delivered[rank] += len(batch)
+                    on_events(batch)
+
             try:
                 out = self._wait(
                     pending,
                     timeout=timeout or self.call_timeout,
                     what=getattr(fn, "__name__", "the function"),
-                    on_events=on_events,
+                    on_events=live,
                 )
                 break
             except _WorldDown:
@@ -320,6 +329,14 @@ class LabCluster:
         values = [v for v, _ in out]
         if record:
             self.last_events = [e for _, events in out for e in (events or [])]
+        if on_events is not None:
+            # Publications can arrive after the result (ipyparallel stops updating
+            # AsyncResult.data once the task returns): the result carries every
+            # event, and the live stream was a prefix of it, so hand on the rest.
+            for rank, (_, events) in enumerate(out):
+                rest = (events or [])[delivered[rank] :]
+                if rest:
+                    on_events(rest)
         return values
 
     def health(self) -> list[dict]:
@@ -388,16 +405,16 @@ class LabCluster:
         return results
 
     def _drain(self, pending, seen, on_events):
-        """Hand newly published telemetry batches to ``on_events`` (each batch is
-        published under its own key because the client keeps only the latest value
-        per key)."""
-        for i, ar in enumerate(pending):
+        """Hand newly published telemetry batches to ``on_events(rank, batch)``
+        (each batch is published under its own key because the client keeps only
+        the latest value per key)."""
+        for rank, ar in enumerate(pending):
             data = ar.data
             if not data:
                 continue
-            for key in sorted(k for k in data if k not in seen[i]):
-                seen[i].add(key)
-                on_events(data[key])
+            for key in sorted(k for k in data if k not in seen[rank]):
+                seen[rank].add(key)
+                on_events(rank, data[key])
 
     @staticmethod
     def _rank_error(errors, what) -> RankError:

@@ -19,7 +19,13 @@ import torch.distributed as dist
 from dtlab import launch, telemetry
 from dtlab.topology import Layout, Topology
 
-state: dict = {"rank": None, "world_size": None, "generation": 0, "broken": None}
+state: dict = {
+    "rank": None,
+    "world_size": None,
+    "generation": 0,
+    "broken": None,
+    "peers": [],  # pids of the other engines of this world (same host)
+}
 
 
 def _user_ns() -> dict:
@@ -45,11 +51,54 @@ def _on_cell_error(result) -> None:
     the process group down, so peers blocked in a collective fail fast too."""
     if result.error_in_exec is not None and dist.is_initialized():
         state["broken"] = f"a %%px cell raised {type(result.error_in_exec).__name__}"
-        _drop_user_groups()
-        launch.abort_process_group()
+        fail_fast()
 
 
-def setup(rank, world_size, backend, store_file, timeout, device, generation):
+def sever_peer_connections() -> int:
+    """Shut down every TCP connection between this process and a peer engine.
+
+    Destroying a gloo process group closes its sockets only when nothing else
+    holds the group, and torch itself may keep a reference (measured: after
+    ``import torch._dynamo``, which the first ``torch.optim`` optimizer does, peers
+    of a failed rank waited out the whole timeout). Connections between engines
+    are gloo's alone (each engine talks to the controller, not to its peers), so
+    shutting them down at the socket level is what makes peers fail fast for
+    certain. Returns the number of connections shut down."""
+    import socket
+
+    import psutil
+
+    peer_addrs = set()
+    for pid in state["peers"]:
+        try:
+            peer_addrs.update(
+                c.laddr for c in psutil.Process(pid).net_connections("tcp")
+            )
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    severed = 0
+    for conn in psutil.Process().net_connections("tcp"):
+        if conn.raddr and conn.raddr in peer_addrs and conn.fd >= 0:
+            try:
+                s = socket.socket(fileno=os.dup(conn.fd))
+                try:
+                    s.shutdown(socket.SHUT_RDWR)  # affects every fd of the socket
+                finally:
+                    s.close()  # closes our duplicate only
+                severed += 1
+            except OSError:
+                continue
+    return severed
+
+
+def fail_fast() -> None:
+    """Tear this rank's world down so that its peers fail within milliseconds."""
+    _drop_user_groups()
+    launch.abort_process_group()
+    sever_peer_connections()
+
+
+def setup(rank, world_size, backend, store_file, timeout, device, generation, peers=()):
     """Join the world as ``rank`` and expose ``rank``, ``world_size``, ``topo`` to
     ``%%px`` cells. Called on every engine at start and at each reset."""
     torch.set_num_threads(1)
@@ -62,7 +111,13 @@ def setup(rank, world_size, backend, store_file, timeout, device, generation):
         timeout=timeout,
         device=device,
     )
-    state.update(rank=rank, world_size=world_size, generation=generation, broken=None)
+    state.update(
+        rank=rank,
+        world_size=world_size,
+        generation=generation,
+        broken=None,
+        peers=[p for p in peers if p != os.getpid()],
+    )
     topo = Topology(Layout(dp=world_size), rank)
     ns = _user_ns()
     ns.update(rank=rank, world_size=world_size, topo=topo, dist=dist, torch=torch)
@@ -126,8 +181,7 @@ def call(fn, args, kwargs, record: bool, publish_interval: float, epoch: float):
     else:
         message = None
     if message is not None:
-        _drop_user_groups()
-        launch.abort_process_group()
+        fail_fast()
         raise Failure(message)
     if record:
         sinks = [telemetry.MemorySink()]
@@ -149,8 +203,7 @@ def call(fn, args, kwargs, record: bool, publish_interval: float, epoch: float):
     if failure is not None:
         # outside the except block, so the traceback's frames (and any group they
         # reference) are already released when the groups are torn down
-        _drop_user_groups()
-        launch.abort_process_group()
+        fail_fast()
         raise Failure(failure)
     events = rec.events if record else None
     return value, events
