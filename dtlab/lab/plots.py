@@ -752,50 +752,53 @@ def tp_layer_comm(events) -> dict[tuple[int, str], dict[str, dict[str, float]]]:
     return table
 
 
+TP_OPS = ("all_reduce", "all_gather", "reduce_scatter")  # what a TP layer runs
+
+
 def tp_layer_comm_figure(
     events,
     *,
     rank: int = 0,
-    predicted: Mapping | None = None,
     sequence_parallel: bool = False,
-    title: str | None = None,
+    fig: go.Figure | None = None,
 ) -> go.Figure:
     """Collectives per layer and pass, measured on one rank (bars stacked by op)
     against :func:`dtlab.estimate.tp_collectives_per_layer` (◆): 2 all-reduces
     forward and 2 backward, or 2 all-gathers + 2 reduce-scatters each way with
-    sequence parallelism. ``predicted`` overrides the estimate."""
-    mine = [e for e in events if e.get("rank") == rank]
-    table = tp_layer_comm(mine)
+    sequence parallelism.
+
+    Pass the ``fig`` (e.g. a ``go.FigureWidget``) an earlier call returned to
+    redraw it in place, in one ``batch_update``."""
+    table = tp_layer_comm([e for e in events if e.get("rank") == rank])
     keys = sorted(table)
     x = [f"layer {layer} {phase[:3]}" for layer, phase in keys]
-    expected = predicted or estimate.tp_collectives_per_layer(sequence_parallel)
-    fig = go.Figure()
-    ops = sorted({op for k in keys for op in table[k]})
-    for op in ops:
-        fig.add_bar(
-            x=x,
-            y=[table[k].get(op, {}).get("calls", 0) for k in keys],
-            name=op,
-            marker_color=_color(op, OP_COLORS),
-            customdata=[table[k].get(op, {}).get("wire_bytes", 0) for k in keys],
-            hovertemplate="%{x}: %{y} calls, %{customdata:,.0f} B sent"
-            "<extra>" + op + "</extra>",
+    expected = estimate.tp_collectives_per_layer(sequence_parallel)
+    if fig is None:
+        fig = go.Figure()
+        for op in TP_OPS:
+            fig.add_bar(
+                name=op,
+                marker_color=_color(op, OP_COLORS),
+                hovertemplate="%{x}: %{y} calls, %{customdata:,.0f} B sent"
+                "<extra>" + op + "</extra>",
+            )
+        fig.add_scatter(
+            mode="markers",
+            name="predicted",
+            marker=dict(symbol="diamond", size=12, color=PREDICTED_COLOR),
         )
-    fig.add_scatter(
-        x=x,
-        y=[sum(expected[phase].values()) for _, phase in keys],
-        mode="markers",
-        name="predicted",
-        marker=dict(symbol="diamond", size=12, color=PREDICTED_COLOR),
-    )
-    fig.update_layout(
-        barmode="stack",
-        height=340,
-        yaxis_title="collectives on the tp group",
-        title=title
-        or f"rank {rank}: collectives per layer "
-        f"({'sequence parallel' if sequence_parallel else 'plain TP'})",
-    )
+        fig.update_layout(
+            barmode="stack", height=340, yaxis_title="collectives on the tp group"
+        )
+    with fig.batch_update():  # one redraw of a FigureWidget for all the changes
+        for trace, op in zip(fig.data, TP_OPS):
+            trace.x = x
+            trace.y = [table[k].get(op, {}).get("calls", 0) for k in keys]
+            trace.customdata = [table[k].get(op, {}).get("wire_bytes", 0) for k in keys]
+        fig.data[len(TP_OPS)].x = x
+        fig.data[len(TP_OPS)].y = [sum(expected[phase].values()) for _, phase in keys]
+        mode = "sequence parallel" if sequence_parallel else "plain TP"
+        fig.layout.title.text = f"rank {rank}: collectives per layer ({mode})"
     return fig
 
 
@@ -1171,6 +1174,7 @@ def pipeline_ideal_vs_measured(
     )
     pipeline_gantt(ideal, fig=fig, row=1, col=1)
     pipeline_gantt(measured, fig=fig, row=2, col=1, showlegend=False)
+    fig.update_xaxes(title_text="", row=1, col=1)  # one time axis, at the bottom
     fig.update_layout(
         barmode="overlay",
         title=title or "Pipeline step: ideal next to measured",
@@ -1200,13 +1204,14 @@ def pipeline_bubble_figure(
         )
     for what, symbol in (("simulated", "circle-open"), ("measured", "diamond")):
         labels = sorted({r.get("label", what) for r in rows if what in r})
-        for label in labels:
+        for k, label in enumerate(labels):
             pts = [r for r in rows if what in r and r.get("label", what) == label]
             fig.add_scatter(
                 x=[r["m"] for r in pts],
                 y=[r[what] for r in pts],
                 mode="markers",
-                marker={"symbol": symbol, "size": 11},
+                # shrinking sizes keep points that coincide (GPipe, 1F1B) visible
+                marker={"symbol": symbol, "size": 15 - 4 * (k % 3)},
                 name=f"{what}: {label}",
             )
     fig.update_layout(
