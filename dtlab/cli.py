@@ -2,6 +2,8 @@
 
 - ``dtlab lab``: JupyterLab on the chapter index, on 127.0.0.1, token on.
 - ``dtlab info``: what this machine offers (backend, GPUs, CPU engines it can run).
+- ``dtlab bench ddp|zero|tp|pp``: time dtlab's implementation of a technique
+  against PyTorch's own, in the same run, and print the table.
 """
 
 from __future__ import annotations
@@ -87,6 +89,26 @@ def _info(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    if args.what == "ddp":
+        from dtlab.train import bench, format_bench
+
+        print(format_bench(bench("ddp")))
+    elif args.what == "zero":
+        from dtlab.zero import bench, format_bench
+
+        print(format_bench(bench()))
+    elif args.what == "tp":
+        from dtlab.tensor_parallel import bench_main
+
+        return bench_main(args.rest)
+    elif args.what == "pp":
+        from dtlab.pipeline import bench, format_bench
+
+        print(format_bench(bench(p=args.p, steps=args.steps)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dtlab", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
 
     info = sub.add_parser("info", help="what this machine offers")
     info.set_defaults(func=_info)
+
+    bench = sub.add_parser(
+        "bench", help="time a technique against PyTorch's implementation"
+    )
+    bench.add_argument("what", choices=["ddp", "zero", "tp", "pp"])
+    bench.add_argument("--p", type=int, default=4, help="pp: pipeline stages")
+    bench.add_argument("--steps", type=int, default=5, help="pp: steps to time")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="tp: its own options")
+    bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -339,6 +339,13 @@ class LabCluster:
                     on_events(rest)
         return values
 
+    def train(self, config, **kwargs):
+        """Train a :class:`dtlab.train.TrainConfig` on every rank, with a live loss
+        plot by default: see :func:`dtlab.lab.training.train`."""
+        from dtlab.lab.training import train
+
+        return train(self, config, **kwargs)
+
     def health(self) -> list[dict]:
         """Each rank's view of itself: pid, process group up, broken reason."""
         self._require_started()
@@ -531,6 +538,9 @@ def start(world_size: int | None = None, **kwargs) -> LabCluster:
         from IPython import get_ipython
 
         if get_ipython() is not None:
+            # %%px cells wait for their ranks and show their output in the cell
+            # (a non-blocking view would leave only "<AsyncResult: pending>")
+            cluster.view.block = True
             cluster.view.activate()
     except ImportError:  # pragma: no cover
         pass
