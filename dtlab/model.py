@@ -45,6 +45,7 @@ __all__ = [
     "shard_batch",
     "regression_batch",
     "param_generator",
+    "init_gpt_weights",
 ]
 
 INIT_STD = 0.02  # GPT-2's init scale for weights and embeddings
@@ -122,7 +123,7 @@ def param_generator(seed: int, name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def _init_gpt_weights(model: nn.Module, seed: int, n_layers: int) -> None:
+def init_gpt_weights(model: nn.Module, seed: int, n_layers: int) -> None:
     """GPT-2 init: N(0, 0.02) weights and embeddings, zero biases, unit LayerNorms,
     and the residual projections (``attn.proj``, ``mlp.proj``) scaled by
     ``1/sqrt(2 * n_layers)`` so the residual stream's variance does not grow with
@@ -258,7 +259,7 @@ class GPT(nn.Module):
         if config.tied_head:
             # one tensor, two uses: the head's weight *is* the embedding
             self.head.weight = self.wte.weight
-        _init_gpt_weights(self, seed, config.n_layers)
+        init_gpt_weights(self, seed, config.n_layers)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings: ``(B, T)`` ids -> ``(B, T, C)``."""
