@@ -8,14 +8,14 @@ BIN    := $(VENV)/bin
 PORT   ?= 8888
 STAMP  := $(VENV)/.dtlab-installed
 
-.PHONY: lab test install lint clean figures
+.PHONY: lab test install clean figures browser
 
 lab: $(STAMP)
 	$(BIN)/dtlab lab --port $(PORT) $(LAB_ARGS)
 
 test: $(STAMP)
-	$(BIN)/ruff check dtlab tests notebooks
-	$(BIN)/ruff format --check dtlab tests notebooks
+	$(BIN)/ruff check dtlab tests notebooks cluster
+	$(BIN)/ruff format --check dtlab tests notebooks cluster
 	$(BIN)/python -m pytest tests
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=300 \
 		-p tests.nbval_guard notebooks
@@ -32,6 +32,10 @@ $(STAMP): pyproject.toml constraints.txt
 # The README's picture, from a real run on 4 CPU engines.
 figures: $(STAMP)
 	$(BIN)/python -m dtlab.lab.snapshot docs/dashboard.png
+
+# Only the real-browser test (JupyterLab driven by Chromium), with screenshots kept.
+browser: $(STAMP)
+	DTLAB_SAVE_SCREENSHOTS=1 $(BIN)/python -m pytest -m browser tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -502,26 +502,6 @@ def test_matches_torch_distributed_pipelining(lab_cluster, schedule):
 
 
 # ---- the bubble, measured ------------------------------------------------------------
-def _bubble_run(schedule, m, steps):
-    import torch.distributed as dist
-
-    from dtlab import telemetry
-
-    cfg = GPTConfig(
-        vocab_size=64, seq_len=64, n_layers=2, n_heads=4, d_model=128, tied_head=False
-    )
-    topo = Topology(Layout(pp=2, dp=dist.get_world_size() // 2))
-    x, y = SyntheticTokens(64, 64).batch(0, 8 * m)
-    pipe = Pipeline(cfg, topo, schedule, microbatches=m)
-    rec = telemetry.Recorder(dist.get_rank())
-    with telemetry.use(rec):
-        for n in range(steps):
-            rec.step = n
-            pipe.zero_grad()
-            pipe.step(x, y)
-    return [e for e in rec.events if e["kind"] == "span"]
-
-
 def test_estimate_rejects_bad_pipeline_input():
     with pytest.raises(ValueError, match="stage 4 is outside"):
         est.pipeline_in_flight(4, 4, 8)
