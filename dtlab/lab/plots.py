@@ -611,6 +611,10 @@ class LiveFigure:
 
     __call__ = update  # usable as cluster.run(..., on_events=live)
 
+    def clear(self) -> None:
+        """Forget every event (a new run starts from an empty window)."""
+        self._events.clear()
+
     def flush(self) -> bool:
         """Draw events held back by the throttle (call once the run returned)."""
         if not self._pending:
