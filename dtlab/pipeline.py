@@ -737,11 +737,13 @@ class Pipeline:
             param.grad = None
 
     # ---- one step ------------------------------------------------------------------
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+    def step(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float = 1.0) -> dict:
         """Forward and backward of every microbatch of ``(x, y)``, this dp rank's
         ``(B, T)`` batch (every stage passes it; only the first reads ``x``, only
-        the last ``y``). Returns ``{"loss"}`` (``mean_i L_i`` on the rank holding the
-        head, ``None`` elsewhere) and what it measured on this rank: peak
+        the last ``y``). ``loss_scale`` multiplies the loss before backward (fp16's
+        dynamic loss scaling, :mod:`dtlab.amp`); activations and gradients travel
+        in the stages' own dtype. Returns ``{"loss"}`` (``mean_i L_i`` on the rank
+        holding the head, ``None`` elsewhere) and what it measured on this rank: peak
         microbatch-chunks in flight, peak activation bytes saved for backward, bytes
         freed after sends."""
         s, r = self.schedule, self.rank
@@ -753,6 +755,7 @@ class Pipeline:
         xs, ys = x.tensor_split(s.m), y.tensor_split(s.m)  # m x (b, T)
         b, T = xs[0].shape
         act_shape = (b, T, self.config.d_model)
+        dtype = next(self.stages[0].parameters()).dtype  # bf16/fp16 stages send 16 bits
         rec = telemetry.current()
         replica = self.topo.coords["dp"]
         params = {q.untyped_storage().data_ptr() for q in self.parameters()}
@@ -765,7 +768,7 @@ class Pipeline:
             for a in s.actions[r]:
                 key, vs = (a.chunk, a.microbatch), s.vstage(r, a.chunk)
                 if a.op in ("recv_act", "recv_grad"):
-                    buf = torch.empty(act_shape)  # (b, T, C)
+                    buf = torch.empty(act_shape, dtype=dtype)  # (b, T, C)
                     axis = self.axes[a.op[5:]]
                     work = comm.irecv(buf, a.peer, axis, tag=a.op[5:])
                     with st.span("idle", a):  # waiting is the bubble
@@ -791,6 +794,8 @@ class Pipeline:
                         if vs == last_v:
                             loss = StageModule.loss(out, ys[a.microbatch])
                             st.losses.append(loss.detach())
+                            if loss_scale != 1.0:
+                                loss = loss * loss_scale
                             out = loss / s.m  # d(mean_i L_i) = sum_i d(L_i / m)
                     st.outputs[key] = out
                     st.note_memory(a)
