@@ -241,52 +241,36 @@ def barrier(group=None, *, tag=None):
 
 
 # ---- point to point ---------------------------------------------------------------
+def _p2p(op, torch_fn, tensor, peer, group, async_op, tag):
+    """``torch_fn(tensor, global peer, group)`` recorded as ``op`` (a send counts its
+    bytes on the wire; a receive counts none: the sender did)."""
+    pg, axis = _resolve(group)
+    to = global_rank(group, peer)
+    return _call(op, tensor, 2, axis, async_op, tag, lambda: torch_fn(tensor, to, pg))
+
+
 def send(tensor, dst: int, group=None, *, tag=None):
     """Blocking send to group rank ``dst``."""
-    pg, axis = _resolve(group)
-    to = global_rank(group, dst)
-    return _call(
-        "send", tensor, 2, axis, False, tag, lambda: dist.send(tensor, dst=to, group=pg)
-    )
+    return _p2p("send", lambda t, r, g: dist.send(t, dst=r, group=g), tensor, dst,
+                group, False, tag)  # fmt: skip
 
 
 def recv(tensor, src: int, group=None, *, tag=None):
     """Blocking receive into ``tensor`` from group rank ``src``."""
-    pg, axis = _resolve(group)
-    frm = global_rank(group, src)
-    return _call(
-        "recv",
-        tensor,
-        2,
-        axis,
-        False,
-        tag,
-        lambda: dist.recv(tensor, src=frm, group=pg),
-    )
+    return _p2p("recv", lambda t, r, g: dist.recv(t, src=r, group=g), tensor, src,
+                group, False, tag)  # fmt: skip
 
 
 def isend(tensor, dst: int, group=None, *, tag=None):
     """Non-blocking send; call ``.wait()`` on the handle."""
-    pg, axis = _resolve(group)
-    to = global_rank(group, dst)
-    return _call(
-        "send", tensor, 2, axis, True, tag, lambda: dist.isend(tensor, dst=to, group=pg)
-    )
+    return _p2p("send", lambda t, r, g: dist.isend(t, dst=r, group=g), tensor, dst,
+                group, True, tag)  # fmt: skip
 
 
 def irecv(tensor, src: int, group=None, *, tag=None):
     """Non-blocking receive; call ``.wait()`` on the handle."""
-    pg, axis = _resolve(group)
-    frm = global_rank(group, src)
-    return _call(
-        "recv",
-        tensor,
-        2,
-        axis,
-        True,
-        tag,
-        lambda: dist.irecv(tensor, src=frm, group=pg),
-    )
+    return _p2p("recv", lambda t, r, g: dist.irecv(t, src=r, group=g), tensor, src,
+                group, True, tag)  # fmt: skip
 
 
 # ---- the ring all-reduce, from send/recv ------------------------------------------

@@ -334,20 +334,24 @@ class _SavedBytes:
         self.peak = max(self.peak, self._now)
 
 
-@register_strategy("ddp")
-class DDPStrategy(Strategy):
-    """Data parallelism with :class:`dtlab.ddp.DistributedDataParallel` over the dp
-    axis: full replicas, the batch split, gradients all-reduced in buckets."""
-
-    emits_backward_spans = True
+class _DataParallel(Strategy):
+    """DDP and ZeRO split only the batch: every rank runs the whole model."""
 
     @classmethod
     def check(cls, config, layout):
         if layout.tp != 1 or layout.pp != 1:
             raise ValueError(
-                f"strategy 'ddp' keeps the whole model on every rank: it needs tp=1 "
-                f"and pp=1, got layout {layout}; use Layout(dp=world_size)"
+                f"strategy {cls.name!r} is data parallel only: it needs tp=1 and "
+                f"pp=1, got layout {layout}; use Layout(dp=world_size)"
             )
+
+
+@register_strategy("ddp")
+class DDPStrategy(_DataParallel):
+    """Data parallelism with :class:`dtlab.ddp.DistributedDataParallel` over the dp
+    axis: full replicas, the batch split, gradients all-reduced in buckets."""
+
+    emits_backward_spans = True
 
     def build(self):
         from dtlab.ddp import DistributedDataParallel
@@ -397,20 +401,12 @@ class DDPStrategy(Strategy):
         }
 
 
-class _ZeroStrategy(Strategy):
+class _ZeroStrategy(_DataParallel):
     """ZeRO over the dp axis with :class:`dtlab.zero.FullyShardedDataParallel`:
     stage 1 shards optimizer states, 2 also gradients, 3 also parameters. Each
     rank's optimizer steps only its fp32 shard (chapter 03)."""
 
     stage = 3
-
-    @classmethod
-    def check(cls, config, layout):
-        if layout.tp != 1 or layout.pp != 1:
-            raise ValueError(
-                f"strategy {cls.name!r} shards over data parallelism only: it needs "
-                f"tp=1 and pp=1, got layout {layout}; use Layout(dp=world_size)"
-            )
 
     def build(self):
         from dtlab.zero import FullyShardedDataParallel

@@ -260,7 +260,8 @@ def _run_cases(cases):
         topo = topos[layout]
         x, y = shard_batch(*_batch(), topo.coords["dp"], layout.dp)
         pipe = Pipeline(cfg, topo, name, microbatches=m, chunks=v)
-        rec = telemetry.Recorder(dist.get_rank())
+        # epoch 0: every rank stamps absolute wall-clock time, one clock on one host
+        rec = telemetry.Recorder(dist.get_rank(), epoch=0.0)
         with telemetry.use(rec):
             stats = pipe.step(x, y)
         out.append(
@@ -407,12 +408,12 @@ def test_telemetry_spans_per_stage_and_microbatch(cases):
         assert [o for o in order if not o.startswith("idle")] == expected
         mine.sort(key=lambda e: e["t_start"])
         assert all(a["t_end"] <= b["t_start"] for a, b in zip(mine, mine[1:]))
-    # data dependencies hold in measured time (clocks aligned on the step barrier,
-    # which leaves ranks a fraction of a millisecond apart)
+    # data dependencies hold in real time: the ranks share one clock (absolute
+    # wall-clock stamps), so stage 1 starts a microbatch only after stage 0 ended it
     f = {
         (e["stage"], e["chunk"], e["microbatch"]): e
-        for e in timeline
-        if e["name"] == "F"
+        for e in events
+        if e["kind"] == "span" and e["name"] == "F" and e.get("replica", 0) == 0
     }
     for i in range(4):
         assert f[1, 0, i]["t_start"] >= f[0, 0, i]["t_end"] - 1e-3
