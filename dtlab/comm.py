@@ -108,19 +108,16 @@ class _Recorded:
         return self._work.get_future()
 
 
-def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run, *, payload=None):
-    """Run ``run()`` (the torch call) and record one comm event around it."""
+def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run):
+    """Run ``run()`` (the torch call) and record one comm event around it;
+    ``tensor_for_bytes`` is the tensor whose size is the op's payload."""
     rec = telemetry.current()
     if not rec.enabled:
         return run()
     t_start = rec.now()
     work = run()
-    nbytes = (
-        payload
-        if payload is not None
-        else tensor_for_bytes.numel() * tensor_for_bytes.element_size()
-    )
-    numel = nbytes // tensor_for_bytes.element_size()
+    numel = tensor_for_bytes.numel()
+    nbytes = numel * tensor_for_bytes.element_size()
 
     def finish():
         rec.emit(

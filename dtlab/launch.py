@@ -52,9 +52,8 @@ class RankError(RuntimeError):
 
 
 def single_host_env() -> None:
-    """Environment for a single-host world: gloo on loopback, one torch thread."""
+    """Environment for a single-host world: gloo on the loopback interface."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "OFF")
 
 
 def init_process_group(
