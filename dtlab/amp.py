@@ -174,7 +174,8 @@ class LossScaler:
                 g.mul_(inv)
             if not torch.isfinite(g).all():
                 local_inf = True
-        flag = torch.tensor([1.0 if local_inf else 0.0])
+        device = grads[0].device if grads else None  # nccl needs a device tensor
+        flag = torch.tensor([1.0 if local_inf else 0.0], device=device)
         for group in groups:
             comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=group, tag="found_inf")
         return bool(flag.item() > 0)

@@ -492,7 +492,9 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         if bucket.buffer is None:
-            bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.dtype)
+            bucket.buffer = torch.zeros(
+                bucket.numel, dtype=bucket.dtype, device=bucket.params[0].device
+            )
         scale = 1.0 / self.world_size
         with torch.no_grad():
             for p, off in zip(bucket.params, bucket.offsets):
@@ -621,6 +623,7 @@ class DistributedDataParallel(nn.Module):
         mask = torch.tensor(
             [1 if id(p) in self._used_since_sync else 0 for p in self._params],
             dtype=torch.int32,
+            device=self._params[0].device,  # nccl reduces device tensors only
         )
         comm.all_reduce(mask, group=self.process_group, tag="ddp-unused")
         return {id(p) for p, used in zip(self._params, mask.tolist()) if used}

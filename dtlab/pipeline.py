@@ -768,7 +768,8 @@ class Pipeline:
             for a in s.actions[r]:
                 key, vs = (a.chunk, a.microbatch), s.vstage(r, a.chunk)
                 if a.op in ("recv_act", "recv_grad"):
-                    buf = torch.empty(act_shape, dtype=dtype)  # (b, T, C)
+                    # (b, T, C), on the batch's device (nccl moves device tensors only)
+                    buf = torch.empty(act_shape, dtype=dtype, device=x.device)
                     axis = self.axes[a.op[5:]]
                     work = comm.irecv(buf, a.peer, axis, tag=a.op[5:])
                     with st.span("idle", a):  # waiting is the bubble

@@ -859,7 +859,8 @@ def tensor_parallel_gpt(model, topo, *, sequence_parallel: bool = False, seed=0)
 def tp_grad_norm(model: nn.Module, axis) -> float:
     """Global gradient norm of a tensor-parallel model: sharded gradients count on
     every rank, replicated ones once (on tp index 0); one all-reduce sums them."""
-    sq = torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device  # nccl reduces device tensors only
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for p in model.parameters():
         if p.grad is None:
             continue
