@@ -15,6 +15,12 @@ is cut from the old slices that overlap it. Per-element optimizer state (Adam's
 momentum and variance) is cut the same way; per-tensor state (the step count) is
 copied. :func:`gather_full_optimizer_state` and ``model.gather_full_params()`` give
 the whole thing in the unwrapped model's names, for export or comparison.
+
+Under DDP every rank holds the same state, so one rank writes it
+(:func:`save_replicated`) and any number of ranks reads it back. :func:`save_training`
+and :func:`load_training` do either for a :class:`dtlab.train.Trainer`, with the step
+counter and each rank's random state, so that a run stopped at step k and resumed
+gives the same loss curve as one that never stopped.
 """
 
 from __future__ import annotations
@@ -26,7 +32,15 @@ import torch
 
 from dtlab import comm
 
-__all__ = ["save_sharded", "load_sharded", "gather_full_optimizer_state"]
+__all__ = [
+    "save_sharded",
+    "load_sharded",
+    "gather_full_optimizer_state",
+    "save_replicated",
+    "load_replicated",
+    "save_training",
+    "load_training",
+]
 
 META = "meta.json"
 
@@ -202,3 +216,151 @@ def gather_full_optimizer_state(model, optimizer) -> dict[str, dict]:
                         value.clone() if torch.is_tensor(value) else value
                     )
     return out
+
+
+# ---- replicated state (DDP) ----------------------------------------------------------
+def save_replicated(
+    path, module, optimizer=None, *, group=None, extra: dict | None = None
+) -> str:
+    """Write the state every rank holds alike (a DDP replica and its optimizer):
+    group rank 0 writes ``path/replica.pt``; a collective (ends with a barrier)."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    if comm.group_rank(group) == 0:
+        payload = {
+            "model": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "extra": extra or {},
+        }
+        torch.save(payload, os.path.join(path, "replica.pt"))
+    comm.barrier(group, tag="checkpoint")
+    return path
+
+
+@torch.no_grad()
+def load_replicated(path, module, optimizer=None) -> dict:
+    """Load :func:`save_replicated`'s file on any number of ranks; returns the
+    ``extra`` dict. Not a collective: every rank reads the same file."""
+    file = os.path.join(os.fspath(path), "replica.pt")
+    if not os.path.exists(file):
+        raise ValueError(f"{path} holds no replica.pt: not a replicated checkpoint")
+    payload = torch.load(file, weights_only=True)
+    module.load_state_dict(payload["model"])
+    if optimizer is not None:
+        if payload["optimizer"] is None:
+            raise ValueError(f"{path} was saved without an optimizer state")
+        optimizer.load_state_dict(payload["optimizer"])
+    return payload["extra"]
+
+
+# ---- a Trainer: model, optimizer, step, random state --------------------------------
+def _reshardable(trainer) -> str | None:
+    """ "sharded" (ZeRO over dp only) or "replicated" (DDP over dp only): a state
+    that can be re-cut for another world; None for tp/pp/16-bit runs, whose state
+    is bound to the layout."""
+    from dtlab.train import needs_composition
+
+    if needs_composition(trainer.config, trainer.topo.layout):
+        return None
+    model = trainer.strategy.model
+    if hasattr(model, "_units"):
+        return "sharded"  # dtlab.zero.FullyShardedDataParallel (ZeRO 1-3)
+    from dtlab.ddp import DistributedDataParallel
+
+    return "replicated" if isinstance(model, DistributedDataParallel) else None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save_training(path, trainer) -> str:
+    """Save a :class:`dtlab.train.Trainer` mid-run (every rank calls it; a
+    collective). Each rank writes its own :meth:`~dtlab.train.Trainer.state_dict`
+    (shards, optimizer, loss scaler, step, random state) and its records; for a
+    plain DDP or ZeRO run, the weights and optimizer state are also written in a
+    form any world size can load (sharded under ZeRO, one copy under DDP). Returns
+    ``path``."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    strategy = trainer.strategy
+    layout = trainer.topo.layout
+    info = {
+        "step": trainer.step,
+        "config": trainer.config.to_dict(),
+        "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
+        "reshardable": _reshardable(trainer),
+    }
+    rank = _rank()
+    torch.save(
+        {"state": trainer.state_dict(), "records": trainer.records},
+        os.path.join(path, f"trainer{rank:05d}.pt"),
+    )
+    if rank == 0:  # what was saved, readable before any tensor is touched
+        with open(os.path.join(path, "training.json"), "w", encoding="utf-8") as f:
+            json.dump(info, f)
+    state = os.path.join(path, "state")
+    if info["reshardable"] == "sharded":
+        save_sharded(state, strategy.model, strategy.optimizer)
+    elif info["reshardable"] == "replicated":
+        save_replicated(
+            state, strategy.model.module, strategy.optimizer, group=strategy.dp
+        )
+    else:
+        comm.barrier(tag="checkpoint")  # every rank's file is written
+    return path
+
+
+def load_training(path, trainer) -> int:
+    """Restore :func:`save_training`'s checkpoint into a freshly built ``trainer``
+    of the same config; returns the step it resumes at.
+
+    At the layout it was saved at, each rank loads its own state: the run goes on
+    with the losses of the run that never stopped. At another world size, a plain
+    ZeRO run's slices are re-cut and a DDP replica fits any world (the random state
+    and the records then start afresh: they belonged to the old ranks); a
+    tensor- or pipeline-parallel (or 16-bit) run loads only at its own layout."""
+    path = os.fspath(path)
+    strategy = trainer.strategy
+    file = os.path.join(path, "training.json")
+    if not os.path.exists(file):
+        raise ValueError(f"{path} holds no training.json: not a save_training folder")
+    with open(file, encoding="utf-8") as f:
+        saved = json.load(f)
+    mine = trainer.config.to_dict()
+    if saved["config"]["model"] != mine["model"]:
+        raise ValueError(
+            f"the checkpoint holds another model ({saved['config']['model']}): "
+            "build the trainer with the config it was saved from"
+        )
+    if saved["config"]["strategy"] != mine["strategy"]:
+        was = "a ZeRO" if saved["config"]["strategy"].startswith("zero") else "a DDP"
+        raise ValueError(
+            f"the checkpoint was saved from {was} run "
+            f"(strategy={saved['config']['strategy']!r}): load it with that strategy"
+        )
+    layout = trainer.topo.layout
+    here = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+    own = os.path.join(path, f"trainer{_rank():05d}.pt")
+    if saved["layout"] == here:
+        payload = torch.load(own, weights_only=False)  # our own file: config dicts
+        trainer.load_state_dict(payload["state"])
+        trainer.records = list(payload["records"])
+        return trainer.step
+    kind = _reshardable(trainer)
+    if kind is None or saved["reshardable"] != kind:
+        raise ValueError(
+            f"the checkpoint was saved at layout {saved['layout']} and this trainer "
+            f"runs at {here}: a tensor- or pipeline-parallel (or 16-bit) state loads "
+            "only at the layout it was saved at; build the trainer with that layout"
+        )
+    state = os.path.join(path, "state")
+    if kind == "sharded":
+        load_sharded(state, strategy.model, strategy.optimizer)
+    else:
+        load_replicated(state, strategy.model.module, strategy.optimizer)
+    trainer.step = int(saved["step"])
+    trainer.records = []
+    return trainer.step

@@ -25,6 +25,7 @@ phase, then all-gather phase, ``2(N-1)`` steps — so its traffic is real traffi
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,73 @@ def global_rank(group, group_rank_: int) -> int:
     return dist.get_global_rank(pg, group_rank_)
 
 
+# ---- what this rank is doing (for error messages) --------------------------------
+# A rank that hangs or fails is reported with the collective it was in. Each call
+# sets ``_NOW[0]`` before it blocks and clears it after (an exception leaves it set:
+# the failed op is the one to report); ``_LAST[0]`` keeps the last one finished.
+# ``watch(fn)`` mirrors every change to ``fn`` (the lab writes it where the notebook
+# can read it while the rank is stuck). Cost with nobody watching: two assignments.
+_NOW: list = [None]  # (op, numel, dtype, axis, tag, t_wall) or None
+_LAST: list = [None]
+_WATCHERS: list = []
+
+
+def _enter(entry) -> None:
+    _NOW[0] = entry
+    for w in _WATCHERS:
+        w(entry, True)
+
+
+def _leave(entry) -> None:
+    _NOW[0] = None
+    _LAST[0] = entry
+    for w in _WATCHERS:
+        w(entry, False)
+
+
+def _entry(op, tensor, axis, tag):
+    if tensor is None:
+        return (op, 0, None, axis, tag, time.time())
+    return (op, tensor.numel(), tensor.dtype, axis, tag, time.time())
+
+
+def describe_op(entry) -> str:
+    """``all_reduce(numel=1024, float32, group dp, tag 'ddp/bucket0')``."""
+    op, numel, dtype, axis, tag, _ = entry
+    dtype = str(dtype).replace("torch.", "") if dtype is not None else None
+    parts = [f"numel={numel}"] + ([dtype] if dtype else []) + [f"group {axis}"]
+    if tag is not None:
+        parts.append(f"tag {tag!r}")
+    return f"{op}({', '.join(parts)})"
+
+
+def current_op() -> str:
+    """What this rank is doing, in words: the collective it is blocked in (or
+    failed in), else the last one it finished."""
+    now, last = _NOW[0], _LAST[0]
+    if now is not None:
+        return f"in {describe_op(now)} for {time.time() - now[5]:.1f}s"
+    if last is not None:
+        return f"not in a collective (the last one: {describe_op(last)})"
+    return "not in a collective (none yet)"
+
+
+def forget_ops() -> None:
+    """Start a new call with a clean slate (the lab does this per ``cluster.run``)."""
+    _NOW[0] = _LAST[0] = None
+
+
+def watch(fn) -> None:
+    """``fn(entry, active)`` on every collective start (True) and end (False)."""
+    if fn not in _WATCHERS:
+        _WATCHERS.append(fn)
+
+
+def unwatch(fn) -> None:
+    if fn in _WATCHERS:
+        _WATCHERS.remove(fn)
+
+
 class _Once:
     """Calls ``fn`` the first time it is called, never again (thread-safe)."""
 
@@ -82,8 +150,9 @@ class _Recorded:
     (through the work's future, so ``t_end`` is the completion time, not the time
     someone waited), or at ``wait()`` where the backend gives no future."""
 
-    def __init__(self, work, finish):
+    def __init__(self, work, finish, entry=None):
         self._work = work
+        self._entry = entry
         self._record = _Once(finish)
         try:
             # the callback holds only the recording, never the work: a future whose
@@ -94,10 +163,14 @@ class _Recorded:
             pass
 
     def wait(self, timeout=None):
+        if self._entry is not None:
+            _enter(self._entry)  # blocked here, so this is the op to report
         if timeout is None:
             self._work.wait()
         else:
             self._work.wait(timeout)
+        if self._entry is not None:
+            _leave(self._entry)
         self._record()
         return True
 
@@ -108,14 +181,38 @@ class _Recorded:
         return self._work.get_future()
 
 
-def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run):
+class _Waiting:
+    """An async work handle that only marks its ``wait()`` as the current op (no
+    recorder is active); anything else goes to the torch work itself."""
+
+    __slots__ = ("_work", "_entry")
+
+    def __init__(self, work, entry):
+        self._work = work
+        self._entry = entry
+
+    def wait(self, timeout=None):
+        _enter(self._entry)
+        done = self._work.wait() if timeout is None else self._work.wait(timeout)
+        _leave(self._entry)
+        return done
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run, peer=None):
     """Run ``run()`` (the torch call) and record one comm event around it;
-    ``tensor_for_bytes`` is the tensor whose size is the op's payload."""
+    ``tensor_for_bytes`` is the tensor whose size is the op's payload. A
+    point-to-point event also carries ``peer``, the other side's global rank."""
     rec = telemetry.current()
+    entry = _entry(op, tensor_for_bytes, group_axis, tag)
+    t_start = rec.now() if rec.enabled else 0.0
+    _enter(entry)
+    work = run()  # an exception leaves ``entry`` as the current op, on purpose
+    _leave(entry)
     if not rec.enabled:
-        return run()
-    t_start = rec.now()
-    work = run()
+        return _Waiting(work, entry) if async_op else work
     numel = tensor_for_bytes.numel()
     nbytes = numel * tensor_for_bytes.element_size()
 
@@ -131,10 +228,11 @@ def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run):
             t_start=t_start,
             t_end=rec.now(),
             tag=tag,
+            **({} if peer is None else {"peer": peer}),
         )
 
     if async_op:
-        return _Recorded(work, finish)
+        return _Recorded(work, finish, entry)
     finish()
     return work
 
@@ -221,7 +319,10 @@ def barrier(group=None, *, tag=None):
     pg, axis = _resolve(group)
     rec = telemetry.current()
     t_start = rec.now() if rec.enabled else 0.0
+    entry = _entry("barrier", None, axis, tag)
+    _enter(entry)
     dist.barrier(group=pg)
+    _leave(entry)
     if rec.enabled:
         rec.emit(
             "comm",
@@ -243,7 +344,8 @@ def _p2p(op, torch_fn, tensor, peer, group, async_op, tag):
     bytes on the wire; a receive counts none: the sender did)."""
     pg, axis = _resolve(group)
     to = global_rank(group, peer)
-    return _call(op, tensor, 2, axis, async_op, tag, lambda: torch_fn(tensor, to, pg))
+    run = lambda: torch_fn(tensor, to, pg)  # noqa: E731
+    return _call(op, tensor, 2, axis, async_op, tag, run, peer=to)
 
 
 def send(tensor, dst: int, group=None, *, tag=None):

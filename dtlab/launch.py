@@ -42,10 +42,22 @@ DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for a missing rank
 class RankError(RuntimeError):
     """An exception raised on one rank, carried to the caller with its traceback."""
 
-    def __init__(self, rank: int, message: str, remote_traceback: str = ""):
+    def __init__(
+        self,
+        rank: int,
+        message: str,
+        remote_traceback: str = "",
+        doing: dict[int, str] | None = None,
+    ):
         self.rank = rank
         self.remote_traceback = remote_traceback
+        # {rank: what it was doing when it failed}, e.g. "in all_reduce(numel=8, ...)"
+        self.doing = dict(doing or {})
         text = f"rank {rank}: {message}"
+        if self.doing:
+            text += "\n" + "\n".join(
+                f"  rank {r} was {d}" for r, d in sorted(self.doing.items())
+            )
         if remote_traceback:
             text += f"\n\n--- traceback on rank {rank} ---\n{remote_traceback}"
         super().__init__(text)
@@ -154,21 +166,23 @@ _SECONDARY = (
 def rank_error(failures, what: str = "") -> RankError:
     """One :class:`RankError` for a set of failed ranks, naming the cause.
 
-    ``failures``: ``(rank, message, traceback, t_fail)`` tuples. The cause is a rank
-    whose error is not a broken-connection error, earliest first; the other ranks
-    are listed as having failed after it.
+    ``failures``: ``(rank, message, traceback, t_fail)`` tuples, optionally with a
+    fifth item, what the rank was doing (:func:`dtlab.comm.current_op`). The cause
+    is a rank whose error is not a broken-connection error, earliest first; the
+    other ranks are listed as having failed after it.
     """
     ranked = sorted(
         failures,
         key=lambda f: (any(s in f[1] + f[2] for s in _SECONDARY), f[3], f[0]),
     )
-    rank, message, tb, _ = ranked[0]
+    doing = {f[0]: f[4] for f in failures if len(f) > 4 and f[4]}
+    rank, message, tb = ranked[0][:3]
     others = sorted(f[0] for f in ranked[1:])
     if others:
         message += f"  [ranks {others} failed after it]"
     if what:
         message += f"  (while running {what})"
-    return RankError(rank, message, tb.strip())
+    return RankError(rank, message, tb.strip(), doing)
 
 
 def _worker(rank, world_size, fn, args, kwargs, store_file, backend, timeout, results):
@@ -180,7 +194,14 @@ def _worker(rank, world_size, fn, args, kwargs, store_file, backend, timeout, re
         )
         value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        failure = (f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time())
+        from dtlab import comm
+
+        failure = (
+            f"{type(exc).__name__}: {exc}",
+            traceback.format_exc(),
+            time.time(),
+            comm.current_op(),
+        )
     # outside the except block: the traceback no longer pins the groups' sockets
     abort_process_group()
     if failure is not None:
@@ -188,7 +209,7 @@ def _worker(rank, world_size, fn, args, kwargs, store_file, backend, timeout, re
     else:
         # plain pickle bytes: a queue would share tensors through shared memory
         # handles that die with this process
-        results.put((rank, "ok", pickle.dumps(value), "", 0.0))
+        results.put((rank, "ok", pickle.dumps(value), "", 0.0, ""))
 
 
 def spawn(
@@ -244,7 +265,7 @@ def spawn(
     try:
         while len(out) + len(errors) < world_size:
             try:
-                rank, status, value, tb, t_fail = results.get(timeout=0.1)
+                rank, status, value, tb, t_fail, doing = results.get(timeout=0.1)
             except queue_mod.Empty:
                 dead = [
                     r
@@ -280,7 +301,7 @@ def spawn(
             else:
                 if not errors:
                     errors_at = time.monotonic()
-                errors.append((rank, value, tb, t_fail))
+                errors.append((rank, value, tb, t_fail, doing))
         if errors:
             raise rank_error(errors, getattr(fn, "__name__", ""))
         return [out[r] for r in range(world_size)]

@@ -130,9 +130,11 @@ class Layout:
         _check_positive("chunks", chunks)
         if n_layers is not None and n_layers % (self.pp * chunks):
             what = f"pp={self.pp}" + (f" x chunks={chunks}" if chunks > 1 else "")
+            per = "pp x chunks" if chunks > 1 else "pp"
             raise ValueError(
                 f"{what} does not divide n_layers={n_layers}: each pipeline stage "
-                "must hold the same number of layers"
+                f"must hold the same number of layers; pick {per} from "
+                f"{divisors(n_layers)}"
             )
         if microbatches is not None:
             _check_positive("microbatches", microbatches)

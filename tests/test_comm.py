@@ -139,6 +139,9 @@ def test_recorded_bytes_follow_the_ring_formulas(results):
         recvs = [e for e in by_op["recv"] if e["tag"] is None]
         assert sum(e["wire_bytes"] for e in sends) == 2 * 4 + 3 * 4
         assert all(e["wire_bytes"] == 0 for e in recvs)
+        # each p2p event names the other side: the ring's next rank, then the pair
+        assert [e["peer"] for e in sends] == [(r + 1) % 4, r ^ 1]
+        assert [e["peer"] for e in recvs] == [(r - 1) % 4, r ^ 1]
         # the async all-reduce was recorded when waited on
         assert len(by_op["all_reduce"]) == 2
         # ring all-reduce on the world: 2(N-1) sends of ~S/N each

@@ -43,3 +43,19 @@ def test_rank_error_prefers_the_cause_over_its_consequences():
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         spawn(_boom_on_one, 0)
+
+
+def test_rank_error_says_what_each_rank_was_doing():
+    failures = [
+        (0, "RuntimeError: Connection closed by peer", "tb0", 10.2,
+         "in all_reduce(numel=8, float32, group dp, tag 'ddp') for 3.0s"),
+        (1, "KeyError: 'x'", "tb1", 10.1, "not in a collective (none yet)"),
+    ]  # fmt: skip
+    err = rank_error(failures, "step")
+    assert err.rank == 1
+    assert err.doing == {0: failures[0][4], 1: failures[1][4]}
+    text = str(err)
+    assert "rank 0 was in all_reduce(numel=8, float32, group dp, tag 'ddp')" in text
+    assert "rank 1 was not in a collective" in text
+    # the old four-item form still works, and says nothing it does not know
+    assert rank_error([f[:4] for f in failures]).doing == {}
