@@ -223,6 +223,11 @@ class MixedPrecisionOptimizer:
     agrees on overflow over ``groups``, optionally clips the global norm, steps the
     inner optimizer on the masters, and copies the masters back into the model in
     16 bits. Under the fp32 policy the masters are the parameters themselves.
+
+    ``norm_fn(grads) -> float`` measures the global gradient norm when the model is
+    spread over ranks (a collective; :mod:`dtlab.parallelize` passes one that counts
+    every element once); clipping then uses it. :attr:`last_grad_norm` is the norm
+    of the last step (``inf`` if it was skipped; ``nan`` if nothing measured it).
     """
 
     def __init__(
@@ -234,6 +239,7 @@ class MixedPrecisionOptimizer:
         scaler: LossScaler | None = None,
         groups=None,
         grad_clip: float | None = None,
+        norm_fn=None,
         **defaults,
     ):
         self.policy = policy(precision)
@@ -258,6 +264,10 @@ class MixedPrecisionOptimizer:
             groups = (None,) if torch.distributed.is_initialized() else ()
         self.groups = tuple(groups)
         self.grad_clip = grad_clip
+        # the global norm of the masters' gradients when they are spread over ranks
+        # (tensor/pipeline shards, ZeRO slices): norm_fn(grads) -> float, collective
+        self.norm_fn = norm_fn
+        self.last_grad_norm = math.nan
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
@@ -268,9 +278,20 @@ class MixedPrecisionOptimizer:
             for p, m in zip(self.params, self.masters):
                 m.grad = None if p.grad is None else p.grad.to(m.dtype)
         found_inf = self.scaler.unscale_([m.grad for m in self.masters], self.groups)
+        self.last_grad_norm = math.inf
         if not found_inf:
-            if self.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.masters, self.grad_clip)
+            if self.norm_fn is not None:
+                norm = self.norm_fn([m.grad for m in self.masters])
+                if self.grad_clip is not None:  # clip_grad_norm_'s rule, on shards
+                    coef = min(1.0, self.grad_clip / (norm + 1e-6))
+                    for m in self.masters:
+                        if m.grad is not None:
+                            m.grad.mul_(coef)
+                self.last_grad_norm = norm
+            elif self.grad_clip is not None:
+                self.last_grad_norm = float(
+                    torch.nn.utils.clip_grad_norm_(self.masters, self.grad_clip)
+                )
             self.optimizer.step()
             if self.policy.has_master_copy:
                 for p, m in zip(self.params, self.masters):

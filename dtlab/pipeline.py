@@ -1,6 +1,8 @@
 """Pipeline parallelism: schedules as data, checked, simulated and executed.
 
-Taught in chapter 05 (pipeline parallelism).
+Taught in chapter 05 (pipeline parallelism); chapter 07 composes it with tensor and
+data parallelism (:mod:`dtlab.parallelize` hands :class:`Pipeline` tensor-parallel
+stages, or stages wrapped by ZeRO).
 
 The model's layers are cut into ``p`` *stages*, one per rank of the ``pp`` axis; a
 batch is cut into ``m`` *microbatches* that flow through the stages, activations
@@ -688,6 +690,13 @@ class Pipeline:
 
     With ``dropout > 0`` each stage draws masks from its own process's RNG, so the
     numbers are no longer those of one process (the parity tests use dropout 0).
+
+    Composition (:mod:`dtlab.parallelize`, chapter 07): ``stages`` hands in this
+    rank's chunks ready-made (tensor-parallel stages, or stages wrapped by ZeRO), with
+    ``loss_fn(out, targets)`` for the last one (default :meth:`StageModule.loss`),
+    ``act_dtype`` for the activations on the wire (default: the first stage's
+    parameter dtype) and ``seq_split`` (tp under sequence parallelism: each rank
+    sends its ``T/t`` slice of the sequence).
     """
 
     def __init__(
@@ -699,6 +708,10 @@ class Pipeline:
         microbatches: int | None = None,
         chunks: int = 1,
         seed: int = 0,
+        stages: list[nn.Module] | None = None,
+        loss_fn=None,
+        act_dtype: torch.dtype | None = None,
+        seq_split: int = 1,
     ):
         p = topo.size("pp")
         if isinstance(schedule, Schedule):
@@ -719,7 +732,14 @@ class Pipeline:
         self.schedule = validate(schedule)
         self.config, self.topo = config, topo
         self.rank = topo.coords["pp"]
-        self.stages = build_stages(config, p, self.rank, schedule.v, seed)
+        if stages is None:
+            stages = build_stages(config, p, self.rank, schedule.v, seed)
+        elif len(stages) != schedule.v:
+            raise ValueError(f"need {schedule.v} stage chunks, got {len(stages)}")
+        self.stages = list(stages)
+        self.loss_fn = loss_fn or StageModule.loss
+        self.act_dtype = act_dtype
+        self.seq_split = seq_split
         self.axes = _pipeline_axes(topo)
         self.last_stats: dict = {}
 
@@ -737,7 +757,9 @@ class Pipeline:
             param.grad = None
 
     # ---- one step ------------------------------------------------------------------
-    def step(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float = 1.0) -> dict:
+    def step(
+        self, x: torch.Tensor, y: torch.Tensor, loss_scale: float = 1.0, sync=True
+    ) -> dict:
         """Forward and backward of every microbatch of ``(x, y)``, this dp rank's
         ``(B, T)`` batch (every stage passes it; only the first reads ``x``, only
         the last ``y``). ``loss_scale`` multiplies the loss before backward (fp16's
@@ -745,7 +767,9 @@ class Pipeline:
         in the stages' own dtype. Returns ``{"loss"}`` (``mean_i L_i`` on the rank
         holding the head, ``None`` elsewhere) and what it measured on this rank: peak
         microbatch-chunks in flight, peak activation bytes saved for backward, bytes
-        freed after sends."""
+        freed after sends. ``sync=False`` leaves the gradients unsynchronized
+        (several flushes per optimizer step: call :meth:`sync_gradients` after the
+        last)."""
         s, r = self.schedule, self.rank
         if x.shape[0] % s.m:
             raise ValueError(
@@ -754,11 +778,17 @@ class Pipeline:
             )
         xs, ys = x.tensor_split(s.m), y.tensor_split(s.m)  # m x (b, T)
         b, T = xs[0].shape
-        act_shape = (b, T, self.config.d_model)
-        dtype = next(self.stages[0].parameters()).dtype  # bf16/fp16 stages send 16 bits
+        act_shape = (b, T // self.seq_split, self.config.d_model)
+        # bf16/fp16 stages send 16 bits
+        dtype = self.act_dtype or next(self.stages[0].parameters()).dtype
         rec = telemetry.current()
         replica = self.topo.coords["dp"]
-        params = {q.untyped_storage().data_ptr() for q in self.parameters()}
+        # the weights the stages compute with (inside a ZeRO wrapper too)
+        params = [
+            q
+            for stage in self.stages
+            for q in getattr(stage, "module", stage).parameters()
+        ]
         st = _StepState(rec, r, replica)
         last_v = s.n_virtual - 1
 
@@ -793,7 +823,7 @@ class Pipeline:
                     with st.span("F", a), st.recording(key, params):
                         out = self.stages[a.chunk](inp)  # (b, T, C) or (b, T, V)
                         if vs == last_v:
-                            loss = StageModule.loss(out, ys[a.microbatch])
+                            loss = self.loss_fn(out, ys[a.microbatch])
                             st.losses.append(loss.detach())
                             if loss_scale != 1.0:
                                 loss = loss * loss_scale
@@ -808,7 +838,8 @@ class Pipeline:
                         st.note_memory(a)
                 st.reap()
             st.reap(wait_all=True)
-        self._sync_gradients()
+        if sync:
+            self.sync_gradients()
         loss = torch.stack(st.losses).mean().item() if st.losses else None
         self.last_stats = {
             "loss": loss,
@@ -835,9 +866,10 @@ class Pipeline:
             weights = [q for q in self.stages[key[0]].parameters() if q.requires_grad]
             torch.autograd.backward(out, grad, inputs=weights)
 
-    def _sync_gradients(self) -> None:
+    def sync_gradients(self, data_parallel: bool = True) -> None:
         """After the last microbatch only: sum the tied embedding's two copies, then
-        average over data-parallel replicas (one flat all-reduce)."""
+        average over data-parallel replicas (one flat all-reduce;
+        ``data_parallel=False`` leaves that to a data-parallel wrapper)."""
         tied = self.axes["tied"]
         if self.config.tied_head and tied is not None:
             for stage in self.stages:
@@ -845,7 +877,7 @@ class Pipeline:
                     if name in ("wte.weight", "head.weight") and q.grad is not None:
                         comm.all_reduce(q.grad, group=tied, tag="tied-embedding")
         dp = self.topo.axis("dp")
-        if dp.size > 1:
+        if data_parallel and dp.size > 1:
             grads = [q.grad for q in self.parameters() if q.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
             comm.all_reduce(flat, group=dp, tag="dp-grads")
@@ -876,15 +908,20 @@ class _StepState:
         )
 
     @contextlib.contextmanager
-    def recording(self, key, param_ptrs):
+    def recording(self, key, params):
         """Count the bytes autograd saves for backward (parameters excluded), each
-        storage once: the activation memory this microbatch-chunk holds."""
+        storage once: the activation memory this microbatch-chunk holds. Where
+        the weights are is looked up again for an unknown storage (ZeRO-3 gathers
+        a stage's weights into fresh memory before its forward)."""
         held: dict[int, int] = {}
 
         def pack(t):
             storage = t.untyped_storage()
-            if storage.data_ptr() not in param_ptrs:
-                held[storage.data_ptr()] = storage.nbytes()
+            ptr = storage.data_ptr()
+            if ptr not in held and ptr not in {
+                q.untyped_storage().data_ptr() for q in params
+            }:
+                held[ptr] = storage.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -1,7 +1,9 @@
 """Tensor parallelism the Megatron-LM way, with sequence parallelism and a
 vocab-parallel loss.
 
-Taught in chapter 04 (``notebooks/04_tensor_parallel.ipynb``).
+Taught in chapter 04 (``notebooks/04_tensor_parallel.ipynb``); chapter 07 splits
+pipeline stages with it (:class:`TensorParallelStage`, composed by
+:mod:`dtlab.parallelize`).
 
 Sources:
 
@@ -72,6 +74,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "ParallelBlock",
     "TensorParallelGPT",
+    "TensorParallelStage",
     "tensor_parallel_gpt",
     "load_shards_",
     "tp_train_step",
@@ -538,13 +541,20 @@ class ParallelSelfAttention(nn.Module):
         k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh/t, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh/t, T, hs)
 
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh/t, T, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~causal, float("-inf"))
-        att = self.attn_drop(F.softmax(att, dim=-1))
-        y = att @ v  # (B, nh/t, T, hs)
+        y = self.core(q, k, v)  # (B, nh/t, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, T, C/t)
         return self.resid_drop(self.proj(y))  # (B, T, C), or (B, T/t, C) under SP
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``dropout(softmax(QK^T / sqrt(hs) + causal)) V`` on this rank's heads,
+        ``(B, nh/t, T, hs)`` each: what selective recomputation re-runs
+        (:mod:`dtlab.recompute`; needs no communication, heads are local)."""
+        T, hs = q.shape[-2], q.shape[-1]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh/t, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        att = att.masked_fill(~causal, float("-inf"))
+        att = self.attn_drop(F.softmax(att, dim=-1))
+        return att @ v  # (B, nh/t, T, hs)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -833,6 +843,90 @@ def load_shards_(tp_module: nn.Module, full_module: nn.Module, axis) -> nn.Modul
         else:
             p.copy_(_shard(full[name], dim, axis, p.shape[dim] * axis.size))
     return tp_module
+
+
+class TensorParallelStage(nn.Module):
+    """One pipeline stage (:class:`dtlab.pipeline.StageModule`) split over the tp axis:
+    3D parallelism's stage (chapter 07). The vocab-parallel embedding if it is the
+    first stage, :class:`ParallelBlock` s for its layers, the final LayerNorm and the
+    column-parallel head if it is the last, whose logits stay split over the
+    vocabulary; :meth:`loss` is :func:`vocab_parallel_cross_entropy` on them.
+
+    Parameter names are the stage's (``blocks.5.attn.q.weight``), so
+    :meth:`from_stage` loads this rank's slices of a plain stage with
+    :func:`load_shards_`. A tied head on a last stage that is not the first is a copy
+    of ``wte`` split like it (rows of the padded vocabulary); the pipeline sums the
+    two copies' gradients over the first and last stage, shard by shard.
+    """
+
+    def __init__(
+        self, config, layers, axis, *, first, last, sequence_parallel=False, seed=0
+    ) -> None:
+        super().__init__()
+        t = axis.size
+        _check_divides("n_heads", config.n_heads, t)
+        self.config, self.axis, self.sequence_parallel = config, axis, sequence_parallel
+        self.first, self.last = first, last
+        self.rng = TPRandom(seed, axis)
+        sp = sequence_parallel
+        with torch.random.fork_rng(devices=[]):  # wpe's default init draws
+            if first:
+                self.wte = VocabParallelEmbedding(
+                    config.vocab_size, config.d_model, axis, sequence_parallel=sp
+                )
+                self.wpe = nn.Embedding(config.seq_len, config.d_model)
+                self.drop = ParallelDropout(config.dropout, self.rng, sharded=sp)
+            self.blocks = nn.ModuleDict(
+                {
+                    str(i): ParallelBlock(config, axis, self.rng, sp, f"blocks.{i}")
+                    for i in layers
+                }
+            )
+            if last:
+                self.ln_f = nn.LayerNorm(config.d_model)
+                self.head = ColumnParallelLinear(
+                    config.d_model, padded_vocab(config.vocab_size, t), axis,
+                    bias=False, sequence_parallel=sp, name="head",
+                )  # fmt: skip
+        if first and last and config.tied_head:
+            self.head.weight = self.wte.weight
+        replicated = [*self.ln_f.parameters()] if last else []
+        if first:
+            replicated += list(self.wpe.parameters())
+        for q in replicated:
+            q.sequence_parallel = sp
+
+    @classmethod
+    def from_stage(cls, stage, axis, *, sequence_parallel=False, seed=0):
+        """This rank's tp slices of a plain :class:`~dtlab.pipeline.StageModule`."""
+        layers = [int(i) for i in stage.blocks]
+        tp_stage = cls(
+            stage.config, layers, axis, first=stage.first, last=stage.last,
+            sequence_parallel=sequence_parallel, seed=seed,
+        )  # fmt: skip
+        load_shards_(tp_stage, stage, axis)
+        tp_stage.train(stage.training)
+        return tp_stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` ids or activations ``(B, T, C)`` (``(B, T/t, C)`` under SP) ->
+        activations, or this rank's ``(B, T, V'/t)`` logits on the last stage."""
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device)  # (T,)
+            if self.sequence_parallel:
+                pos = _split(pos, 0, self.axis)  # (T/t,): the positions of my tokens
+            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C) or (B, T/t, C)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.last:
+            x = self.head(self.ln_f(x))  # (B, T, V'/t)
+        return x
+
+    def loss(self, local_logits: torch.Tensor, targets: torch.Tensor):
+        """Mean cross-entropy over the whole vocabulary, from the logit shards."""
+        return vocab_parallel_cross_entropy(
+            local_logits, targets, self.axis, self.config.vocab_size
+        )
 
 
 def tensor_parallel_gpt(model, topo, *, sequence_parallel: bool = False, seed=0):

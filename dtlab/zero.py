@@ -1,6 +1,7 @@
 """ZeRO stages 0-3 (stage 3 is FSDP) and CPU offload, each stage adding one thing.
 
-Taught in chapter 03 (``notebooks/03_zero.ipynb``).
+Taught in chapter 03 (``notebooks/03_zero.ipynb``); chapter 07 runs it over the dp
+axis of tensor-parallel models and pipeline stages (:mod:`dtlab.parallelize`).
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models" (SC20). Plain data parallelism keeps the whole *model state* on
@@ -447,6 +448,16 @@ class FullyShardedDataParallel(nn.Module):
         self._before_unit(root, "fwd")
         out = self.module(*args, **kwargs)
         self._after_unit_forward(root, out)
+        if torch.is_grad_enabled():
+            me = weakref.ref(self)
+
+            def on_output_grad(_grad):  # fires first in a backward from this output
+                if me() is not None:
+                    me()._start_backward()
+
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(on_output_grad)
         return out
 
     def sync_params(self) -> None:
@@ -464,6 +475,19 @@ class FullyShardedDataParallel(nn.Module):
                  params=[(n, tuple(p.shape), off) for n, p, off, _ in u.entries])
             for u in self._units
         ]  # fmt: skip
+
+    def shards(self) -> list[tuple]:
+        """``(shard, lo, entries, module)`` per unit holding one: the flat master
+        slice ``[lo, lo + len(shard))`` of the unit's flat parameter, whose entries
+        are ``(name, param, offset, numel)``, and the unit's module. What composed
+        layouts need to weigh each element (a tensor-parallel replica counted once
+        in a norm) or to sum one unit's shard with another rank's (a tied
+        embedding across pipeline stages, :mod:`dtlab.parallelize`)."""
+        return [
+            (u.shard, u.lo, list(u.entries), u.module)
+            for u in self._units
+            if u.shard is not None
+        ]
 
     @property
     def padded_numel(self) -> int:
@@ -571,6 +595,8 @@ class FullyShardedDataParallel(nn.Module):
     def _free_full(self, u: _Unit) -> None:
         # the params keep their shapes and views; only the bytes go (FSDP's trick:
         # tensors saved for backward point at this storage and see it come back)
+        if u.full is None:  # a unit without parameters (a pipeline stage's root)
+            return
         u.full.untyped_storage().resize_(0)
         u.gathered = False
 
@@ -696,6 +722,13 @@ class FullyShardedDataParallel(nn.Module):
     def _start_backward(self) -> None:
         if not self._in_backward:
             self._in_backward = True
+            # each backward pass counts its own gradients: a pipeline schedule runs
+            # several forwards before their backwards (F0 F1 B0 B1), so the counts
+            # cannot be reset by the forward alone; stages 0-1 also drop the last
+            # backward's bucket views, already reduced into the shards' gradients
+            for u in self._units:
+                u.ready, u.reduced = 0, False
+            self._drop_full_grads()
             # runs once the whole backward pass is done (as DDP and FSDP do)
             Variable._execution_engine.queue_callback(
                 self.finish_gradient_synchronization

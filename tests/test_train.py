@@ -35,14 +35,20 @@ def test_bad_config_values_are_named(changes, match):
 def test_configs_that_cannot_run_on_this_world_fail_before_anything_runs():
     with pytest.raises(ValueError, match="multiple of 8"):
         TrainConfig(global_batch_size=12, grad_accum_steps=2).check(4)
-    with pytest.raises(ValueError, match="tp=1 and pp=1"):
-        TrainConfig(layout=Layout(dp=2, tp=2)).check(4)
+    with pytest.raises(ValueError, match="microbatches=3"):
+        TrainConfig(layout=Layout(dp=2, pp=2), microbatches=3).check(4)
+    with pytest.raises(ValueError, match="has pp=1"):
+        TrainConfig(layout=Layout(dp=2, tp=2), chunks=2).check(4)
+    with pytest.raises(ValueError, match="tp=1"):
+        TrainConfig(sequence_parallel=True).check(4)
+    with pytest.raises(ValueError, match="offload"):
+        TrainConfig(offload=True).check(4)
     with pytest.raises(ValueError, match="world has 4"):
         TrainConfig(layout=Layout(dp=2)).check(4)
     with pytest.raises(ValueError, match="unknown strategy 'dpp'"):
         TrainConfig(strategy="dpp").check(4)
-    # a strategy of a later chapter is not a typo: it says so
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
+    # tensor and pipeline parallelism are axes of the layout, not strategies
+    with pytest.raises(ValueError, match="come from the layout"):
         TrainConfig(strategy="pp").check(4)
     assert TrainConfig(global_batch_size=16, grad_accum_steps=2).check(4) == Layout(4)
     assert "ddp" in STRATEGIES
@@ -182,6 +188,38 @@ def test_zero_stages_train_like_ddp_through_the_config(lab_cluster):
             torch.testing.assert_close(weight, ref_w, rtol=0, atol=2e-3)
 
 
-def test_compute_dtype_is_checked():
-    with pytest.raises(ValueError, match="compute_dtype"):
-        TrainConfig(compute_dtype="fp8")
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("precision", "fp8"),
+        ("schedule", "pipedream"),
+        ("activation_checkpointing", "some"),
+        ("chunks", 0),
+        ("microbatches", 0),
+        ("sequence_parallel", "yes"),
+    ],
+)
+def test_choice_fields_are_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**{field: value})
+
+
+def test_config_round_trips_through_json():
+    import json
+
+    config = TrainConfig(
+        model=GPTConfig(n_layers=4, d_model=32),
+        layout=Layout(dp=2, tp=2, pp=2),
+        strategy="zero1",
+        schedule="interleaved",
+        microbatches=4,
+        chunks=2,
+        precision="bf16",
+        activation_checkpointing="selective",
+        grad_clip=1.0,
+    )
+    again = TrainConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config
+    assert TrainConfig.from_dict(TrainConfig().to_dict()) == TrainConfig()
+    with pytest.raises(ValueError, match="unknown TrainConfig fields"):
+        TrainConfig.from_dict({"compute_dtype": "bf16"})
