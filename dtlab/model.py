@@ -190,14 +190,25 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
 
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
-        # causal: position t may only look at positions <= t
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~causal, float("-inf"))
-        att = self.attn_drop(F.softmax(att, dim=-1))
-        y = att @ v  # (B, nh, T, hs)
+        y = self.core(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, T, nh*hs)
         return self.resid_drop(self.proj(y))  # (B, T, C)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core ``dropout(softmax(QK^T / sqrt(hs) + causal)) V``:
+        ``(B, nh, T, hs)`` each -> ``(B, nh, T, hs)``.
+
+        A method of its own because it is what *selective* recomputation re-runs in
+        backward (Korthikanti et al. 2022, §4.2; :mod:`dtlab.recompute`): its
+        ``(B, nh, T, T)`` tensors are the ``5·a·s/h`` term of the activation memory.
+        """
+        T, hs = q.shape[-2], q.shape[-1]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
+        # causal: position t may only look at positions <= t
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        att = att.masked_fill(~causal, float("-inf"))
+        att = self.attn_drop(F.softmax(att, dim=-1))
+        return att @ v  # (B, nh, T, hs)
 
 
 class MLP(nn.Module):
