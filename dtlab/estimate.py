@@ -2,7 +2,10 @@
 
 Taught in chapter 00 (why distribute) and used by every later chapter to put a
 prediction next to each measurement; it also answers questions for models far larger
-than this machine ("does 70B fit on 8 x 80 GB with ZeRO-3?").
+than this machine ("does 70B fit on 8 x 80 GB with ZeRO-3?"). Chapter 09 assembles
+the formulas into a planner: :func:`layout_memory` and :func:`layout_traffic` for one
+dp x tp x pp (x cp x ep) layout, :func:`layout_step_time` for its step, and
+:func:`plan` for every layout of a cluster.
 
 Sources, cited where each formula appears:
 
@@ -68,6 +71,20 @@ __all__ = [
     "RECOMPUTE",
     "PIPELINE_SCHEDULES",
     "LINKS",
+    "MOE_MODELS",
+    "Parallelism",
+    "as_parallelism",
+    "model_spec",
+    "stage_params",
+    "layout_memory",
+    "layout_traffic",
+    "kv_cache_bytes",
+    "serving_memory",
+    "ClusterSpec",
+    "PlanRow",
+    "Plan",
+    "layout_step_time",
+    "plan",
 ]
 
 GB = 1e9  # the ZeRO paper's gigabyte
@@ -334,12 +351,18 @@ class ModelPreset:
     gated_mlp: bool = True
     learned_positions: bool = False
     tied_embeddings: bool = False
+    # ---- planner (chapter 09): exact counts for dtlab's GPT, and mixture of experts
+    bias: bool = False
+    layernorm: bool = False
+    n_experts: int = 1  # MLPs per layer (mixture of experts when > 1)
+    top_k: int = 1  # experts each token is sent to
 
     @property
     def n_params(self) -> int:
-        """Parameter count from the architecture (norms and biases left out; they are
-        well under 0.1 % of these models)."""
-        return model_params(
+        """Parameter count from the architecture (for the public presets norms and
+        biases are left out; they are well under 0.1 % of these models). A mixture of
+        experts has ``n_experts`` MLPs per layer and a router of ``h·n_experts``."""
+        dense = model_params(
             self.n_layers,
             self.d_model,
             self.vocab_size,
@@ -348,8 +371,14 @@ class ModelPreset:
             n_heads=self.n_heads,
             n_kv_heads=self.n_kv_heads,
             gated_mlp=self.gated_mlp,
+            bias=self.bias,
+            layernorm=self.layernorm,
             tied_embeddings=self.tied_embeddings,
         )
+        if self.n_experts == 1:
+            return dense
+        extra = (self.n_experts - 1) * _mlp_params(self) + self.d_model * self.n_experts
+        return dense + self.n_layers * extra
 
 
 # LLaMA-2 (Touvron et al. 2023, Table 1 and the released configs), GPT-3 (Brown et
@@ -1065,3 +1094,1068 @@ def zero_comm_per_step(
         "wire": wire,
         "psi_multiple": 3 if stage == 3 else 2,
     }
+
+
+# ---- layouts: memory and traffic of a dp x tp x pp (x cp x ep) job (chapter 09) ------
+# The planner's building blocks. Every number below is one of the formulas above,
+# applied to the slice of the model one rank holds: tp_params_per_rank's split,
+# pipeline_in_flight's count, Korthikanti's activations, ZeRO's states and traffic.
+MOE_MODELS: dict[str, ModelPreset] = {
+    # Mixtral 8x7B (Jiang et al. 2024, Table 1): 8 SwiGLU experts per layer, top-2
+    "8x7B": ModelPreset(
+        "Mixtral 8x7B", 32, 4096, 32, 32000, 4096, 14336, n_kv_heads=8, n_experts=8,
+        top_k=2,
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A layout with the two axes the planner adds to ``Layout(dp, tp, pp)``:
+
+    - ``cp``, context parallelism (Liu et al. 2023, ring attention; Megatron-LM's
+      context parallel): the *sequence* of every micro-batch is split over cp ranks.
+      Weights are replicated over cp as over dp (their gradients are reduced over
+      ``dp·cp`` ranks); activations are divided by cp; each attention layer passes
+      the K/V blocks around a ring.
+    - ``ep``, expert parallelism (Lepikhin et al. 2020, GShard; Fedus et al. 2021):
+      a mixture-of-experts layer's experts are placed on ep ranks carved out of the
+      data-parallel ones (``ep`` divides ``dp·cp``); tokens travel to their experts
+      and back by two all-to-alls per MoE layer forward, two backward.
+
+    ``world_size = dp·tp·pp·cp`` (ep re-uses dp ranks, it adds none). Any object
+    with ``dp``, ``tp``, ``pp`` attributes (a :class:`dtlab.topology.Layout`) is
+    accepted wherever a Parallelism is, with ``cp = ep = 1``.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in ("dp", "tp", "pp", "cp", "ep"):
+            value = getattr(self, axis)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{axis} must be a positive integer, got {value!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp*cp={self.dp * self.cp}: experts are "
+                "placed on data-parallel ranks"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def __str__(self) -> str:
+        extra = "".join(
+            f" {a}{getattr(self, a)}" for a in ("cp", "ep") if getattr(self, a) > 1
+        )
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}{extra}"
+
+
+def as_parallelism(layout) -> Parallelism:
+    """A :class:`Parallelism` from a ``Layout``, a Parallelism, or a dict."""
+    if isinstance(layout, Parallelism):
+        return layout
+    if isinstance(layout, dict):
+        return Parallelism(**layout)
+    try:
+        return Parallelism(
+            layout.dp,
+            layout.tp,
+            layout.pp,
+            getattr(layout, "cp", 1),
+            getattr(layout, "ep", 1),
+        )
+    except AttributeError:
+        raise ValueError(
+            f"layout must be a Layout, a Parallelism or a dict of degrees, "
+            f"got {layout!r}"
+        ) from None
+
+
+# the planner's plain words for a custom model's shape
+_CUSTOM_ALIASES = {
+    "layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
+    "vocab": "vocab_size", "sequence": "seq_len", "kv_heads": "n_kv_heads",
+    "experts": "n_experts",
+}  # fmt: skip
+
+
+def model_spec(model) -> ModelPreset:
+    """The :class:`ModelPreset` of ``model``: a preset name (``"70B"``, ``"8x7B"``),
+    a preset, a :class:`dtlab.model.GPTConfig` (counted exactly: biases, LayerNorms,
+    learned positions, tied head), or a dict of a custom architecture
+    (``n_layers, d_model, n_heads, vocab_size, seq_len`` — or ``layers, hidden,
+    heads, vocab, sequence`` — and optionally ``d_ff`` (default 4h), ``n_kv_heads``,
+    ``gated_mlp``, ``n_experts``, ``top_k``...)."""
+    if isinstance(model, ModelPreset):
+        return model
+    if isinstance(model, str):
+        table = {**MODELS, **MOE_MODELS}
+        if model not in table:
+            raise ValueError(f"unknown model {model!r}: expected one of {list(table)}")
+        return table[model]
+    if isinstance(model, dict):
+        d = {_CUSTOM_ALIASES.get(k, k): v for k, v in model.items()}
+        d.setdefault("name", "custom")
+        d.setdefault("d_ff", 4 * d.get("d_model", 0))
+        d.setdefault("gated_mlp", False)
+        try:
+            spec = ModelPreset(**d)
+        except TypeError as e:
+            raise ValueError(f"bad custom model {model!r}: {e}") from None
+        _check_spec(spec)
+        return spec
+    if hasattr(model, "tied_head") and hasattr(model, "d_model"):  # a GPTConfig
+        return ModelPreset(
+            "dtlab GPT",
+            model.n_layers,
+            model.d_model,
+            model.n_heads,
+            model.vocab_size,
+            model.seq_len,
+            model.d_ff,
+            gated_mlp=False,
+            learned_positions=True,
+            tied_embeddings=model.tied_head,
+            bias=model.bias,
+            layernorm=True,
+        )
+    raise ValueError(
+        f"model must be a preset name, a ModelPreset, a GPTConfig or a dict, "
+        f"got {type(model).__name__}"
+    )
+
+
+def _check_spec(spec: ModelPreset) -> None:
+    for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "d_ff"):
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not 1 <= spec.top_k <= spec.n_experts:
+        raise ValueError(
+            f"top_k={spec.top_k} must lie in 1..n_experts={spec.n_experts}"
+        )
+
+
+def _mlp_params(spec: ModelPreset) -> int:
+    """One MLP (one expert): ``h -> d_ff -> h``, SwiGLU's third matrix if gated."""
+    h, f = spec.d_model, spec.d_ff
+    n = (3 if spec.gated_mlp else 2) * h * f
+    if spec.bias:
+        n += (2 if spec.gated_mlp else 1) * f + h
+    return n
+
+
+def _layer_params(spec: ModelPreset) -> dict[str, float]:
+    """One block's parameters: ``dense`` (attention, norms and, without experts, the
+    MLP), ``experts`` (all experts' MLPs), ``replicated`` (what tp does not split:
+    LayerNorms and the row-parallel layers' biases, Megatron §3)."""
+    kw = dict(
+        seq_len=spec.seq_len if spec.learned_positions else 0,
+        d_ff=spec.d_ff,
+        n_heads=spec.n_heads,
+        n_kv_heads=spec.n_kv_heads,
+        gated_mlp=spec.gated_mlp,
+        bias=spec.bias,
+        layernorm=spec.layernorm,
+        tied_embeddings=spec.tied_embeddings,
+    )
+    h, V = spec.d_model, spec.vocab_size
+    block = model_params(1, h, V, **kw) - model_params(0, h, V, **kw)
+    replicated = (4 * h if spec.layernorm else 0) + (2 * h if spec.bias else 0)
+    if spec.n_experts == 1:
+        return {"dense": block, "experts": 0, "replicated": replicated}
+    mlp = _mlp_params(spec)
+    # the router (h x E) is small and replicated; the experts replace the MLP
+    return {
+        "dense": block - mlp + h * spec.n_experts,
+        "experts": spec.n_experts * mlp,
+        "replicated": replicated + h * spec.n_experts,
+    }
+
+
+def _stage_layers(n_layers: int, pp: int, stage: int) -> int:
+    """Blocks on pipeline rank ``stage``: ``L/pp``, the first ``L mod pp`` ranks one
+    more when pp does not divide L (Llama 3's 126 layers)."""
+    return n_layers // pp + (1 if stage < n_layers % pp else 0)
+
+
+def stage_params(model, layout, stage: int = 0) -> dict[str, float]:
+    """Parameters one rank of pipeline stage ``stage`` holds, before ZeRO.
+
+    Tensor parallelism splits every block as :func:`tp_params_per_rank` does
+    (everything but LayerNorms and row-parallel biases) and the vocabulary, padded
+    to a multiple of tp; experts are split over ep (and tp); the embedding sits on
+    the first stage, the final norm and the head on the last, and a tied head on a
+    last stage that is not the first is a copy (dtlab.pipeline's StageModule).
+
+    Returns ``{"blocks": per-block count, "experts": per-block expert count,
+    "layers": blocks on this rank, "root": the rest, "vocab": the embedding and
+    head rows within root, "total"}``.
+    """
+    spec, par = model_spec(model), as_parallelism(layout)
+    if not 0 <= stage < par.pp:
+        raise ValueError(f"stage {stage} is outside 0..{par.pp - 1}")
+    t, h = par.tp, spec.d_model
+    per = _layer_params(spec)
+    block = (per["dense"] - per["replicated"]) / t + per["replicated"]
+    experts = per["experts"] / (t * par.ep)
+    layers = _stage_layers(spec.n_layers, par.pp, stage)
+    first, last = stage == 0, stage == par.pp - 1
+    vocab_rows = -(-spec.vocab_size // t) * h  # padded_vocab(V, t) / t rows
+    root, vocab = 0.0, 0.0
+    if first:
+        vocab += vocab_rows
+        root += spec.seq_len * h if spec.learned_positions else 0
+    if last:
+        root += 2 * h if spec.layernorm else 0
+        if not spec.tied_embeddings or par.pp > 1:
+            vocab += vocab_rows
+    root += vocab
+    return {
+        "blocks": block,
+        "experts": experts,
+        "layers": layers,
+        "root": root,
+        "vocab": vocab,
+        "total": root + layers * (block + experts),
+    }
+
+
+def _dense_count(spec, par, sp, zero_stage: int) -> float:
+    """Ψ of the stage's dense weights as dtlab shards them: under ZeRO every unit
+    (each block, the rest; with a tied embedding across stages, the embedding or
+    the head on its own, so the two copies' slices line up) padded to a multiple
+    of the ``dp·cp`` group (dtlab.zero, dtlab.parallelize)."""
+    if zero_stage == 0:
+        return sp["root"] + sp["layers"] * sp["blocks"]
+    group = par.dp * par.cp
+    units = [sp["root"]]
+    if par.pp > 1 and spec.tied_embeddings and sp["vocab"]:
+        units = [sp["vocab"], sp["root"] - sp["vocab"]]
+    pad = sum(_padded_count(u, group) for u in units)
+    return pad + sp["layers"] * _padded_count(sp["blocks"], group)
+
+
+def _padded_count(n: float, group: int) -> float:
+    """ZeRO pads each unit to a multiple of the group (dtlab.zero)."""
+    return math.ceil(n / group) * group
+
+
+def _state_precision(precision: str) -> str:
+    """Training precisions (dtlab.amp's names) -> :func:`bytes_per_param`'s policies:
+    16-bit compute keeps fp32 master weights, the paper's mixed precision."""
+    key = str(precision).lower()
+    table = {"fp32": "fp32", "bf16": "mixed", "fp16": "mixed", "mixed": "mixed"}
+    table["pure_bf16"] = "bf16"  # bf16 weights and states, no master copy
+    if key not in table:
+        raise ValueError(
+            f"unknown precision {precision!r}: expected 'fp32', 'bf16', 'fp16' "
+            "(both 16-bit modes keep fp32 master weights) or 'pure_bf16'"
+        )
+    return table[key]
+
+
+def _value_bytes(precision: str) -> int:
+    """Bytes of an activation, a gathered weight, a reduced gradient."""
+    return 4 if _state_precision(precision) == "fp32" else 2
+
+
+def _schedule_key(schedule: str) -> str:
+    key = str(schedule).lower().replace("_", "-")
+    if key not in PIPELINE_SCHEDULES:
+        raise ValueError(
+            f"unknown schedule {schedule!r}: expected one of {PIPELINE_SCHEDULES}"
+        )
+    return key
+
+
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _stage_memory(
+    spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
+    schedule, chunks, checkpointing, sequence_parallel, optimizer, offload, states,
+    seq_len,
+) -> dict[str, float]:  # fmt: skip
+    sp = stage_params(spec, par, stage)
+    group = par.dp * par.cp  # replicas of every weight (ZeRO shards over them)
+    expert_group = group // par.ep
+    policy = _state_precision(precision)
+    dense = _dense_count(spec, par, sp, zero_stage)
+    out = dict.fromkeys(("params", "grads", "optimizer"), 0.0)
+    host = 0.0
+    parts = [(dense, group)]
+    if sp["experts"]:
+        parts.append((sp["layers"] * sp["experts"], expert_group))
+    for psi, n in parts:
+        # DDP (stage 0) keeps 16-bit gradients; its optimizer's fp32 copy of them
+        # lives only during the step, so the paper's count is what it holds
+        if states == "paper" or (zero_stage == 0 and not offload):
+            st = zero_memory_per_device(psi, n, zero_stage, policy, optimizer)
+        else:
+            st = zero_states_per_rank(
+                psi, n, zero_stage, policy, optimizer, offload=offload
+            )
+            host += st["host"]
+        for k in out:
+            out[k] += st[k]
+    # activations: Korthikanti per layer, for every microbatch (chunk) in flight
+    s = seq_len or spec.seq_len
+    b, bpv = micro_batch_size, _value_bytes(precision)
+    layer_kw = dict(tp=par.tp, sequence_parallel=sequence_parallel)
+    per_layer = activation_bytes_per_layer(
+        s, b, spec.d_model, spec.n_heads, recompute=checkpointing,
+        bytes_per_value=bpv, **layer_kw,
+    ) / par.cp  # fmt: skip
+    if spec.n_experts > 1 and checkpointing != "full":
+        # each token runs top_k experts: the MLP's 19sbh of the 34, k times
+        per_layer += (
+            (spec.top_k - 1) * 19 * s * b * spec.d_model * bpv / 2 / (par.tp * par.cp)
+        )
+    if par.pp > 1:
+        key = _schedule_key(schedule)
+        v = chunks if key == "interleaved" else 1
+        in_flight = pipeline_in_flight(par.pp, stage, microbatches, key, v)
+        layers_in_flight = in_flight * sp["layers"] / v
+        last_in_flight = 1 if key != "gpipe" else microbatches
+    else:
+        layers_in_flight, last_in_flight = sp["layers"], 1
+    acts = layers_in_flight * per_layer
+    if checkpointing == "full" and sp["layers"]:
+        # backward recomputes one layer at a time: its whole activations, once
+        acts += activation_bytes_per_layer(
+            s, b, spec.d_model, spec.n_heads, bytes_per_value=bpv, **layer_kw
+        ) / par.cp  # fmt: skip
+    if stage == par.pp - 1:
+        # beyond Korthikanti's blocks: the final norm's and the head's inputs
+        # (2sbh) and the fp32 log-softmax of the cross-entropy (4·sb·V/t bytes)
+        tokens = s * b / par.cp
+        vocab = -(-spec.vocab_size // par.tp)
+        acts += last_in_flight * tokens * (2 * spec.d_model * bpv + 4 * vocab)
+    out["activations"] = acts
+    out["total"] = sum(out.values())
+    if offload:
+        out["host"] = host
+    return out
+
+
+def layout_memory(
+    model,
+    layout,
+    *,
+    zero_stage: int = 0,
+    precision: str = "fp32",
+    micro_batch_size: int = 1,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    checkpointing: str = "none",
+    sequence_parallel: bool = False,
+    stage: int | None = None,
+    optimizer: str = "adam",
+    offload: bool = False,
+    states: str = "dtlab",
+    seq_len: int | None = None,
+) -> dict[str, float]:
+    """Bytes one device holds under ``layout``, by category:
+    ``{"params", "grads", "optimizer", "activations", "total"}`` (and ``"host"``
+    with ``offload``), for pipeline stage ``stage`` or, by default, the most loaded.
+
+    - Model states: the stage's slice of the model (:func:`stage_params`: tp and
+      pp split it, ep splits the experts), then ZeRO ``zero_stage`` over the
+      ``dp·cp`` ranks that replicate it. ``states="dtlab"`` counts what dtlab's
+      implementation holds (:func:`zero_states_per_rank`: exact against
+      dtlab.memory's measurement, units padded to the group); ``states="paper"``
+      is ZeRO §5.1's ``2Ψ + 2Ψ + KΨ`` split (:func:`zero_memory_per_device`).
+      The two differ only for ZeRO under 16-bit precision, by the fp32 gradient
+      slice (``4Ψ/N``) the optimizer reads; DDP (stage 0) holds the paper's
+      count. Adam's per-tensor step counter (4 bytes a tensor) is left out.
+    - Activations: Korthikanti et al. 2022 per layer
+      (:func:`activation_bytes_per_layer`: ``sbh(34 + 5as/h)``, tp and sequence
+      parallelism, ``checkpointing`` "none" | "selective" | "full"), divided by cp,
+      times the layers of every micro-batch the stage holds at its peak
+      (:func:`pipeline_in_flight`; one micro-batch without pipelining: gradient
+      accumulation runs each backward right after its forward). Full
+      checkpointing adds one layer's activations (the one being recomputed, live
+      during its backward only); the last stage adds the head's inputs and the
+      fp32 log-softmax. An upper bound
+      for dtlab's GPT, which has no dropout (the paper counts dropout masks).
+
+    ``precision``: "fp32", or "bf16"/"fp16" (16-bit compute, fp32 master weights,
+    2-byte activations), or "pure_bf16". ``microbatches``: per optimizer step and
+    dp rank (pipeline micro-batches, or gradient accumulation without pp).
+    """
+    spec, par = model_spec(model), as_parallelism(layout)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"unknown ZeRO stage {zero_stage!r}: expected 0, 1, 2 or 3")
+    for name, value in (
+        ("micro_batch_size", micro_batch_size),
+        ("microbatches", microbatches),
+        ("chunks", chunks),
+    ):
+        _check_count(name, value)
+    if states not in ("dtlab", "paper"):
+        raise ValueError(f"states must be 'dtlab' or 'paper', got {states!r}")
+    if offload and states == "paper":
+        raise ValueError("offload is modelled with states='dtlab' only")
+    checkpointing = _norm_choice(checkpointing, RECOMPUTE, {}, "checkpointing")
+    if par.pp > 1:
+        _schedule_key(schedule)
+    kw = dict(
+        zero_stage=zero_stage, precision=precision,
+        micro_batch_size=micro_batch_size, microbatches=microbatches,
+        schedule=schedule, chunks=chunks, checkpointing=checkpointing,
+        sequence_parallel=sequence_parallel, optimizer=optimizer, offload=offload,
+        states=states, seq_len=seq_len,
+    )  # fmt: skip
+    if stage is not None:
+        return _stage_memory(spec, par, stage, **kw)
+    # the most loaded is the first (most layers and micro-batches in flight) or the
+    # last (the head); the stages between hold no more than the first
+    per_stage = [_stage_memory(spec, par, s, **kw) for s in sorted({0, par.pp - 1})]
+    return max(per_stage, key=lambda m: m["total"])
+
+
+def _stage_traffic(
+    spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
+    sequence_parallel, chunks, seq_len,
+) -> dict[str, float]:  # fmt: skip
+    bpv = _value_bytes(precision)
+    k, b = microbatches, micro_batch_size
+    s = seq_len or spec.seq_len
+    h = spec.d_model
+    sp = stage_params(spec, par, stage)
+    group = par.dp * par.cp
+    out = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    # dp (and cp: the same weights): gradients, and ZeRO's gathers
+    dense = _dense_count(spec, par, sp, zero_stage)
+    parts = [(dense, group)]
+    if sp["experts"]:
+        parts.append((sp["layers"] * sp["experts"], group // par.ep))
+    # dtlab.zero reduces after every backward (micro-batch, or pipeline
+    # micro-batch); DDP and the pipeline's data-parallel sync once per step
+    per_mb = k if zero_stage >= 1 else 1
+    for psi, n in parts:
+        if n == 1:
+            continue
+        one = zero_comm_per_step(psi, n, zero_stage, bpv)
+        out["dp"] += per_mb * (
+            wire_bytes("all_reduce", one["all_reduce"], n)
+            + wire_bytes("reduce_scatter", one["reduce_scatter"], n)
+        ) + (per_mb if zero_stage == 3 else 1) * wire_bytes(
+            "all_gather", one["all_gather"], n
+        )
+    tokens = b * s // par.cp  # this rank's tokens of one micro-batch
+    first, last = stage == 0, stage == par.pp - 1
+    # tp: Megatron's 2 + 2 collectives per block, the vocabulary-parallel
+    # embedding (g) and head (f), and the loss's three small all-reduces
+    if par.tp > 1:
+        t = par.tp
+        S = tokens * h * bpv
+        per_block = tp_bytes_per_layer(
+            b, s // par.cp, h, t, bytes_per_value=bpv,
+            sequence_parallel=sequence_parallel,
+        )["wire_bytes"]  # fmt: skip
+        mb = sp["layers"] * per_block
+        if first:  # embedding: g (SP: reduce-scatter forward, all-gather back)
+            mb += wire_bytes("all_reduce", S, t)
+        if last:
+            mb += wire_bytes("all_reduce", S, t)  # head: f (SP: gather + scatter)
+            mb += 3 * wire_bytes("all_reduce", tokens * bpv, t)  # max, sum, z_t
+        out["tp"] = k * mb
+        if sequence_parallel:
+            # the replicated weights of the sequence-split regions (norms,
+            # row-parallel biases, positions) get their gradients summed over tp
+            repl = sp["layers"] * _layer_params(spec)["replicated"]
+            if first and spec.learned_positions:
+                repl += s * h
+            if last and spec.layernorm:
+                repl += 2 * h
+            out["tp"] += wire_bytes("all_reduce", repl * bpv, t)
+    # pp: activations forward and gradients backward at every chunk boundary
+    if par.pp > 1:
+        S = tokens * h * bpv / (par.tp if sequence_parallel else 1)
+        v = chunks
+        sends = (v - (1 if last else 0)) + (v - (1 if first else 0))
+        out["pp"] = k * sends * S
+        if spec.tied_embeddings and (first or last):
+            # the embedding group sums the two copies' gradients: whole (in the
+            # compute dtype) after DDP, or ZeRO's reduced slices (master dtype)
+            rows = -(-spec.vocab_size // par.tp) * h
+            payload = rows * bpv
+            if zero_stage >= 1:
+                master = 2 if _state_precision(precision) == "bf16" else 4
+                payload = _padded_count(rows, group) / group * master
+            out["pp"] += wire_bytes("all_reduce", payload, 2)
+    if par.cp > 1:
+        # ring attention: K and V blocks go round the ring (cp-1 hops) forward;
+        # backward sends them again with their gradients: 3x the forward
+        kv = h * (spec.n_kv_heads or spec.n_heads) // spec.n_heads
+        S_kv = 2 * b * s * kv * bpv / par.tp
+        out["cp"] = k * sp["layers"] * 3 * wire_bytes("all_gather", S_kv, par.cp)
+    if par.ep > 1 and spec.n_experts > 1:
+        # dispatch and combine forward, their transposes backward: 4 all-to-alls
+        S = tokens * spec.top_k * h * bpv
+        out["ep"] = k * sp["layers"] * 4 * wire_bytes("all_to_all", S, par.ep)
+    return out
+
+
+def layout_traffic(
+    model,
+    layout,
+    *,
+    zero_stage: int = 0,
+    precision: str = "fp32",
+    micro_batch_size: int = 1,
+    microbatches: int = 1,
+    sequence_parallel: bool = False,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    stage: int | None = None,
+    seq_len: int | None = None,
+) -> dict[str, float]:
+    """Wire bytes one rank sends per optimizer step, by axis: ``{"dp", "tp", "pp"}``
+    (plus ``"cp"`` and ``"ep"`` when those axes are used), for pipeline stage
+    ``stage`` or, by default, the busiest rank on each axis.
+
+    - dp: :func:`zero_comm_per_step` on the stage's Ψ over the ``dp·cp`` replicas
+      (2Ψ, ZeRO-3 3Ψ, times the ring's (N-1)/N). dtlab.zero reduces after every
+      backward, so with several micro-batches (gradient accumulation, or a
+      pipeline's) ZeRO pays its reduce-scatter (and ZeRO-3 its gathers) per
+      micro-batch; DDP and a pipeline's data-parallel sync pay once per step.
+    - tp: :func:`tp_bytes_per_layer` per block and micro-batch (2 + 2 all-reduces,
+      or their all-gather/reduce-scatter halves under sequence parallelism), plus
+      the vocabulary-parallel embedding and head and the loss's three all-reduces
+      of ``b·s`` values.
+    - pp: one activation forward and one gradient backward per micro-batch at
+      every stage boundary the rank owns (``chunks`` per rank when interleaved),
+      plus the tied-embedding all-reduce between the first and the last stage
+      (under ZeRO, of the reduced fp32 slices).
+    - cp: ring attention's K/V: ``3·(cp-1)/cp · 2·b·s·h_kv·bytes`` per layer.
+    - ep: 4 all-to-alls of ``b·s·top_k·h·bytes`` per MoE layer.
+
+    Gradients and 16-bit activations travel in the compute dtype (2 bytes under
+    "bf16"/"fp16", 4 under "fp32").
+    """
+    spec, par = model_spec(model), as_parallelism(layout)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"unknown ZeRO stage {zero_stage!r}: expected 0, 1, 2 or 3")
+    for name, value in (
+        ("micro_batch_size", micro_batch_size),
+        ("microbatches", microbatches),
+        ("chunks", chunks),
+    ):
+        _check_count(name, value)
+    _value_bytes(precision)
+    if par.pp > 1:
+        _schedule_key(schedule)  # every schedule moves the same bytes
+    kw = dict(
+        zero_stage=zero_stage, precision=precision,
+        micro_batch_size=micro_batch_size, microbatches=microbatches,
+        sequence_parallel=sequence_parallel, chunks=chunks, seq_len=seq_len,
+    )  # fmt: skip
+    if stage is not None:
+        return _stage_traffic(spec, par, stage, **kw)
+    # the first (most layers, the embedding), a middle one (sends both ways) and the
+    # last (the head) bound every stage on every axis
+    stages = sorted({0, min(1, par.pp - 1), par.pp - 1})
+    per_stage = [_stage_traffic(spec, par, s, **kw) for s in stages]
+    return {k: max(t[k] for t in per_stage) for k in per_stage[0]}
+
+
+# ---- memory techniques (chapter 08): the price of recomputation and offload --------
+def recompute_overhead(
+    mode: str, seq_len: int, d_model: int, *, early_stop: bool = False
+) -> float:
+    """Extra compute of activation checkpointing, as a fraction of a training step
+    without it (Korthikanti et al. 2022, §4 and §5.3), in matmul FLOPs.
+
+    A layer's forward costs ``F = 24·b·s·h² + 4·b·s²·h`` FLOPs (the linear layers,
+    then ``QK^T`` and ``softmax·V``) and its backward ``2F``: a step is ``3F``.
+    ``"full"`` runs the forward once more: ``F / 3F = 1/3``. ``"selective"`` re-runs
+    ``QK^T`` and ``softmax·V``: ``4bs²h / 3F = s / (18h + 3s)``, a few per cent at
+    ``s ≈ h``.
+
+    ``early_stop=True`` counts what :func:`torch.utils.checkpoint.checkpoint` really
+    re-runs: it stops once every tensor backward needs is rebuilt, so the last matmul
+    of the checkpointed piece, whose output nobody saved, is skipped (``mlp.proj``,
+    ``8bsh²``, under full; ``softmax·V``, ``2bs²h``, under selective). The
+    embeddings, head and loss are left out (never recomputed). Softmax and masking
+    are not FLOPs here; where they are memory-bound, selective recomputation costs
+    more time than this share.
+    """
+    mode = _norm_choice(mode, RECOMPUTE, {}, "recompute mode")
+    if seq_len <= 0 or d_model <= 0:
+        raise ValueError(f"seq_len and d_model must be positive: {seq_len}, {d_model}")
+    s, h = seq_len, d_model
+    forward = 24 * h + 4 * s  # F / (b·s·h)
+    if mode == "full":
+        extra = forward - (8 * h if early_stop else 0)
+    elif mode == "selective":
+        extra = 2 * s if early_stop else 4 * s
+    else:
+        extra = 0
+    return extra / (3 * forward)
+
+
+def offload_bytes_per_step(
+    n_params: float, dp: int, *, grad_bytes: int = 4, param_bytes: int = 4
+) -> dict[str, float]:
+    """Host <-> device (PCIe) bytes one rank moves per optimizer step under ZeRO
+    with CPU offload (ZeRO-Offload, Ren et al. 2021, §4.1): its ``1/dp`` slice of
+    the gradients goes to the host, where the optimizer steps the fp32 master slice,
+    and the updated slice of the weights comes back.
+
+    ``{"to_host": Ψ/dp·grad_bytes, "to_device": Ψ/dp·param_bytes, "total": ...}``
+    (use 2 for 16-bit gradients or weights). Divide by the link's bandwidth
+    (PCIe 4.0 x16 ≈ 25 GB/s one way, 5.0 ≈ 50 GB/s) for the time it adds where the
+    copies do not overlap with compute.
+    """
+    if n_params <= 0:
+        raise ValueError(f"n_params must be positive, got {n_params}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    if grad_bytes <= 0 or param_bytes <= 0:
+        raise ValueError("grad_bytes and param_bytes must be positive")
+    to_host = n_params / dp * grad_bytes
+    to_device = n_params / dp * param_bytes
+    return {"to_host": to_host, "to_device": to_device, "total": to_host + to_device}
+
+
+# ---- serving: weights and the KV cache (chapter 09) ----------------------------------
+def kv_cache_bytes(
+    model, batch: int, context: int, *, tp: int = 1, bytes_per_value: float = 2
+) -> float:
+    """Bytes of the key/value cache of ``batch`` sequences of ``context`` tokens:
+    ``2 · L · batch · context · h_kv · bytes / tp`` (a key and a value per layer
+    and token; grouped-query attention shrinks ``h_kv = h · n_kv_heads/n_heads``;
+    tensor parallelism splits the heads)."""
+    spec = model_spec(model)
+    for name, value in (("batch", batch), ("context", context), ("tp", tp)):
+        _check_count(name, value)
+    kv = spec.d_model * (spec.n_kv_heads or spec.n_heads) / spec.n_heads
+    return 2 * spec.n_layers * batch * context * kv * bytes_per_value / tp
+
+
+def serving_memory(
+    model, *, tp: int = 1, batch: int = 1, context: int | None = None,
+    bytes_per_value: float = 2,
+) -> dict[str, float]:  # fmt: skip
+    """Bytes per device to *serve* ``model`` with tensor parallelism ``tp``: the
+    16-bit weights (``2Ψ/tp``; no gradients, no optimizer state) and the KV cache
+    (:func:`kv_cache_bytes`). Activations of one decoding step are negligible next
+    to these. Returns ``{"weights", "kv_cache", "total"}``."""
+    spec = model_spec(model)
+    context = context or spec.seq_len
+    weights = bytes_per_value * spec.n_params / tp
+    kv = kv_cache_bytes(spec, batch, context, tp=tp, bytes_per_value=bytes_per_value)
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+
+
+# ---- the planner: which layouts fit, and what a step costs (chapter 09) --------------
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The machines: ``n_gpus`` accelerators, ``gpus_per_node`` per node joined by
+    ``intra`` (NVLink), nodes joined by ``inter`` (InfiniBand, Ethernet). A group
+    whose ranks all sit in one node talks over ``intra``, any other over ``inter``
+    (its slowest link). Ranks are placed Megatron's way: tp fastest, then cp, dp,
+    pp, so tp groups are the first to stay inside a node."""
+
+    n_gpus: int
+    gpus_per_node: int = 8
+    intra: Link = LINKS["nvlink"]
+    inter: Link = LINKS["infiniband"]
+    # ZeRO-Offload: PCIe 5 x16 to the host (~50 GB/s each way), and the host
+    # memory bandwidth a CPU Adam streams its states at
+    pcie_Bps: float = 50e9
+    host_Bps: float = 100e9
+
+    def __post_init__(self) -> None:
+        _check_count("n_gpus", self.n_gpus)
+        _check_count("gpus_per_node", self.gpus_per_node)
+
+    def link(self, span: int) -> Link:
+        """The link of a group whose ranks span ``span`` consecutive ranks."""
+        return self.intra if span <= self.gpus_per_node else self.inter
+
+
+@dataclass
+class PlanRow:
+    """One layout the planner considered: its knobs, bytes per device by category,
+    the step time split into compute, communication and bubble, and ``why`` it was
+    rejected (empty when it fits)."""
+
+    layout: Parallelism
+    zero_stage: int
+    micro_batch_size: int
+    microbatches: int
+    schedule: str
+    chunks: int
+    checkpointing: str
+    sequence_parallel: bool
+    memory: dict
+    traffic: dict
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    fits: bool
+    why: str = ""
+
+    def as_dict(self) -> dict:
+        """A flat row for a table (GB and seconds)."""
+        par = self.layout
+        return {
+            "dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep,
+            "zero": self.zero_stage, "mbs": self.micro_batch_size,
+            "m": self.microbatches, "schedule": self.schedule,
+            "checkpointing": self.checkpointing, "sp": self.sequence_parallel,
+            **{f"{k}_GB": v / GB for k, v in self.memory.items()},
+            "compute_s": self.compute_s, "comm_s": self.comm_s,
+            "bubble_s": self.bubble_s, "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+            "fits": self.fits, "why": self.why,
+        }  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """What :func:`plan` found: ``fits`` (fastest first) and ``rejected`` (each with
+    its ``why``), and the assumptions it used."""
+
+    fits: list
+    rejected: list
+    assumptions: dict
+
+    @property
+    def best(self) -> PlanRow | None:
+        return self.fits[0] if self.fits else None
+
+    def table(self, n: int = 10, *, rejected: bool = False) -> list[dict]:
+        rows = self.rejected if rejected else self.fits
+        return [r.as_dict() for r in rows[:n]]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _flops_d_ff(spec: ModelPreset) -> float:
+    """The ``d_ff`` that makes :func:`tp_layer_flops`' two-matrix MLP count a
+    gated MLP's three matrices and a MoE's ``top_k`` experts per token."""
+    return spec.d_ff * (1.5 if spec.gated_mlp else 1.0) * spec.top_k
+
+
+def layout_step_time(
+    model,
+    layout,
+    *,
+    gpu: GPU,
+    cluster: ClusterSpec,
+    zero_stage: int = 0,
+    precision: str = "bf16",
+    micro_batch_size: int = 1,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    checkpointing: str = "none",
+    sequence_parallel: bool = False,
+    seq_len: int | None = None,
+    mfu: float = 0.5,
+    dp_overlap: float = 0.8,
+    offload: bool = False,
+) -> dict[str, float]:
+    """Step time of one layout, split into ``compute_s``, ``comm_s`` (exposed) and
+    ``bubble_s``; ``step_s`` is their sum.
+
+    - Compute: :func:`tp_layer_flops` (forward + backward, ``3 × 2·b·s·params``
+      plus attention's s² term) for the stage's layers, divided by ``tp·cp``, at
+      ``mfu`` of the GPU's peak; the head's ``6·b·s·h·V/tp``; checkpointing adds
+      :func:`recompute_overhead` (full: a forward; selective: the score matmuls).
+    - Tensor parallelism: the collectives of :func:`tp_step_time`, on the critical
+      path; context parallelism's K/V ring and expert parallelism's all-to-alls
+      likewise (:func:`collective_time` each); pipeline sends, one per micro-batch
+      and boundary. Each on the intra-node link if its group fits in a node.
+    - The pipeline: :func:`pipeline_step_time` with those per-micro-batch times;
+      its excess over ``m·(t_f + t_b)`` is the bubble.
+    - Data parallelism: :func:`zero_comm_per_step`'s collectives; ``dp_overlap``
+      of them hide behind the last backward (chapter 02's overlap), the rest is
+      exposed.
+    - ``offload`` (ZeRO-Offload, Ren et al. 2021): the fp32 gradient slice goes to
+      the host and the weights come back over PCIe
+      (:func:`offload_bytes_per_step`), and the CPU's Adam streams master weights,
+      moments and gradient (28 bytes per parameter of the slice) at the host's
+      memory bandwidth; counted as communication.
+    """
+    spec, par = model_spec(model), as_parallelism(layout)
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    if not 0 <= dp_overlap <= 1:
+        raise ValueError(f"dp_overlap must be in [0, 1], got {dp_overlap}")
+    s = seq_len or spec.seq_len
+    b, m, bpv = micro_batch_size, microbatches, _value_bytes(precision)
+    h, t = spec.d_model, par.tp
+    key = _schedule_key(schedule) if par.pp > 1 else "1f1b"
+    v = chunks if key == "interleaved" else 1
+    rate = gpu.peak_bf16_flops * mfu
+    layers = _stage_layers(spec.n_layers, par.pp, 0)  # the most loaded stage
+    # compute of one micro-batch through this stage
+    layer_flops = tp_layer_flops(b, s, h, _flops_d_ff(spec)) / (t * par.cp)
+    checkpointing = _norm_choice(checkpointing, RECOMPUTE, {}, "checkpointing")
+    # chapter 08's price of recomputation, a share of the layer's 3F
+    recompute = recompute_overhead(checkpointing, s, h) * layer_flops
+    flops = layers * (layer_flops + recompute)
+    flops += 6 * b * s * h * spec.vocab_size / (t * par.cp) / par.pp  # head, spread
+    compute_mb = flops / rate
+    # communication on the critical path, per micro-batch
+    tokens = b * s // par.cp
+    comm_mb = 0.0
+    if t > 1:
+        link = cluster.link(t)
+        comm_mb += tp_step_time(
+            layers, b, s // par.cp, h, t, link=link, peak_flops=gpu.peak_bf16_flops,
+            mfu=mfu, bytes_per_value=bpv, sequence_parallel=sequence_parallel,
+        )["comm_s"]  # fmt: skip
+    if par.cp > 1:
+        link = cluster.link(t * par.cp)
+        kv = h * (spec.n_kv_heads or spec.n_heads) / spec.n_heads
+        S_kv = 2 * b * s * kv * bpv / t
+        comm_mb += (
+            layers
+            * 3
+            * collective_time(
+                "all_gather", S_kv, par.cp, link.alpha_s, link.bandwidth_Bps
+            )
+        )
+    if par.ep > 1 and spec.n_experts > 1:
+        link = cluster.link(t * par.cp * par.ep)
+        S = tokens * spec.top_k * h * bpv
+        comm_mb += (
+            layers
+            * 4
+            * collective_time("all_to_all", S, par.ep, link.alpha_s, link.bandwidth_Bps)
+        )
+    p2p = 0.0
+    if par.pp > 1:
+        link = cluster.link(t * par.cp * par.dp + 1)  # neighbours one stage apart
+        S = tokens * h * bpv / (t if sequence_parallel else 1)
+        p2p = 2 * v * (link.alpha_s + S / link.bandwidth_Bps)  # forward + backward
+    t_f = (compute_mb + comm_mb) / 3 + p2p / 2
+    t_b = 2 * (compute_mb + comm_mb) / 3 + p2p / 2
+    if par.pp > 1:
+        step = pipeline_step_time(par.pp, m, t_f, t_b, v=v, schedule=key)
+    else:
+        step = m * (t_f + t_b)
+    bubble = step - m * (t_f + t_b)
+    # data parallelism: once per step (ZeRO: its reductions per micro-batch);
+    # expert weights only among the dp·cp/ep ranks that hold the same experts
+    group = par.dp * par.cp
+    dp_s = 0.0
+    sp0 = stage_params(spec, par, 0)
+    parts = [(_dense_count(spec, par, sp0, zero_stage), group)]
+    if sp0["experts"]:
+        parts.append((sp0["layers"] * sp0["experts"], group // par.ep))
+    per_mb = m if zero_stage >= 1 else 1
+    for psi, n in parts:
+        if n == 1:
+            continue
+        link = cluster.link(t * n)
+        ops = zero_comm_per_step(psi, n, zero_stage, bpv)
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
+            if ops[op]:
+                times = per_mb if (op == "reduce_scatter" or zero_stage == 3) else 1
+                dp_s += times * collective_time(
+                    op, ops[op], n, link.alpha_s, link.bandwidth_Bps
+                )
+    hidden = min(dp_overlap * dp_s, t_b)
+    exposed_dp = dp_s - hidden
+    if offload:
+        psi = stage_params(spec, par, 0)["total"]
+        n_s = group if zero_stage else 1
+        pcie = offload_bytes_per_step(psi, n_s, grad_bytes=4, param_bytes=bpv)
+        exposed_dp += pcie["total"] / cluster.pcie_Bps
+        exposed_dp += 28 * psi / n_s / cluster.host_Bps  # CPU Adam streams 28 B
+    compute = m * compute_mb
+    comm = m * (comm_mb + p2p) + exposed_dp
+    total = step + exposed_dp
+    return {
+        "compute_s": compute,
+        "comm_s": comm,
+        "bubble_s": bubble,
+        "step_s": total,
+        "dp_comm_s": dp_s,
+        "dp_exposed_s": exposed_dp,
+    }
+
+
+def _why_not(mem: dict, usable: float, gpu: GPU) -> str:
+    """A short reason: how far over, and the biggest category."""
+    biggest = max(("params", "grads", "optimizer", "activations"), key=mem.get)
+    return (
+        f"needs {mem['total'] / GB:.1f} GB per GPU, {usable / GB:.1f} GB usable on "
+        f"{gpu.name}; largest: {biggest} {mem[biggest] / GB:.1f} GB"
+    )
+
+
+def plan(
+    model,
+    *,
+    gpu: GPU | str = "H100-80GB",
+    cluster: ClusterSpec | None = None,
+    n_gpus: int | None = None,
+    global_batch: int = 1024,
+    seq_len: int | None = None,
+    precision: str = "bf16",
+    zero_stages=(0, 1, 2, 3),
+    micro_batch_sizes=(1, 2, 4),
+    checkpointing=("none", "selective", "full"),
+    schedules=("1f1b",),
+    chunks: int = 2,
+    cp_options=(1,),
+    ep_options=(1,),
+    max_tp: int | None = None,
+    sequence_parallel: bool = True,
+    mfu: float = 0.5,
+    dp_overlap: float = 0.8,
+    memory_reserve: float = 0.1,
+    offload: bool = False,
+) -> Plan:
+    """Layouts of ``model`` on ``cluster`` for a ``global_batch`` of sequences that
+    fit in ``gpu``'s memory, fastest first, with the rejected ones and why.
+
+    Every combination of tp (a divisor of the heads, at most ``max_tp``, default
+    two nodes' worth), pp (at most one stage per layer), cp and ep (from the
+    options), dp (the rest of ``n_gpus``), ZeRO stage, micro-batch size,
+    activation checkpointing and pipeline schedule is priced with
+    :func:`layout_memory` (bytes per device by category, most loaded stage) and
+    :func:`layout_step_time` (compute, communication, bubble). A layout fits if
+    its total stays under ``(1 - memory_reserve)`` of the GPU's memory (the rest
+    goes to the CUDA context, allocator fragmentation and communication buffers).
+    Micro-batches per step ``m = global_batch / (dp · micro_batch)`` must be a
+    whole number, and at least pp with a pipeline. ``sequence_parallel`` applies
+    whenever tp > 1. ``states="paper"`` accounting (ZeRO §5.1) is used, the
+    numbers an interviewer expects.
+
+    The assumptions are returned with the plan (``plan.assumptions``): MFU, the
+    links, the overlap of data-parallel communication, the memory reserve.
+    """
+    spec = model_spec(model)
+    if isinstance(gpu, str):
+        if gpu not in GPUS:
+            raise ValueError(f"unknown gpu {gpu!r}: expected one of {list(GPUS)}")
+        gpu = GPUS[gpu]
+    if cluster is None:
+        if n_gpus is None:
+            raise ValueError("give cluster=ClusterSpec(...) or n_gpus")
+        cluster = ClusterSpec(n_gpus)
+    elif n_gpus is not None and n_gpus != cluster.n_gpus:
+        raise ValueError(f"n_gpus={n_gpus} but the cluster has {cluster.n_gpus}")
+    _check_count("global_batch", global_batch)
+    if not 0 <= memory_reserve < 1:
+        raise ValueError(f"memory_reserve must be in [0, 1), got {memory_reserve}")
+    s = seq_len or spec.seq_len
+    world = cluster.n_gpus
+    usable = gpu.memory_bytes * (1 - memory_reserve)
+    max_tp = max_tp or 2 * cluster.gpus_per_node
+    fits, rejected = [], []
+    for cp in cp_options:
+        for tp in _divisors(world):
+            if tp > max_tp or spec.n_heads % tp or world % (tp * cp):
+                continue
+            for pp in _divisors(world // (tp * cp)):
+                if pp > spec.n_layers:
+                    continue
+                dp = world // (tp * cp * pp)
+                for ep in ep_options:
+                    if (dp * cp) % ep or (ep > 1 and spec.n_experts % ep):
+                        continue
+                    par = Parallelism(dp, tp, pp, cp, ep)
+                    for row in _price(
+                        spec, par, gpu, cluster, global_batch, s, precision,
+                        zero_stages, micro_batch_sizes, checkpointing,
+                        schedules if pp > 1 else ("1f1b",), chunks,
+                        sequence_parallel and tp > 1, mfu, dp_overlap, usable,
+                        offload,
+                    ):  # fmt: skip
+                        (fits if row.fits else rejected).append(row)
+    fits.sort(key=lambda r: (r.step_s, r.memory["total"]))
+    rejected.sort(key=lambda r: r.memory["total"])
+    assumptions = {
+        "model": spec.name,
+        "params": spec.n_params,
+        "gpu": gpu.name,
+        "gpu_memory_GB": gpu.memory_bytes / GB,
+        "usable_GB": usable / GB,
+        "peak_TFLOPs": gpu.peak_bf16_flops / 1e12,
+        "mfu": mfu,
+        "n_gpus": world,
+        "gpus_per_node": cluster.gpus_per_node,
+        "intra_GBps": cluster.intra.bandwidth_Bps / GB,
+        "inter_GBps": cluster.inter.bandwidth_Bps / GB,
+        "global_batch": global_batch,
+        "seq_len": s,
+        "precision": precision,
+        "dp_overlap": dp_overlap,
+    }
+    return Plan(fits, rejected, assumptions)
+
+
+def _price(
+    spec, par, gpu, cluster, global_batch, s, precision, zero_stages,
+    micro_batch_sizes, checkpointing, schedules, chunks, sp, mfu, dp_overlap,
+    usable, offload,
+):  # fmt: skip
+    """Every knob setting of one layout, as PlanRows."""
+    for mbs in micro_batch_sizes:
+        per_rank = global_batch / (par.dp * mbs)
+        if per_rank != int(per_rank) or per_rank < max(1, par.pp):
+            continue
+        m = int(per_rank)
+        for sched in schedules:
+            v = chunks if _schedule_key(sched) == "interleaved" else 1
+            if v > 1 and (m % par.pp or spec.n_layers < par.pp * v):
+                continue
+            for ck in checkpointing:
+                # without replicas there is nothing for ZeRO to shard
+                for zero in zero_stages if par.dp * par.cp > 1 else (0,):
+                    kw = dict(
+                        zero_stage=zero, precision=precision, micro_batch_size=mbs,
+                        microbatches=m, schedule=sched, chunks=v, checkpointing=ck,
+                        sequence_parallel=sp, seq_len=s,
+                    )  # fmt: skip
+                    mem = layout_memory(
+                        spec, par, **kw, offload=offload,
+                        states="dtlab" if offload else "paper",
+                    )  # fmt: skip
+                    traffic = layout_traffic(
+                        spec, par, **{k: kw[k] for k in kw if k != "checkpointing"}
+                    )
+                    time = layout_step_time(
+                        spec, par, gpu=gpu, cluster=cluster, mfu=mfu,
+                        dp_overlap=dp_overlap, offload=offload, **kw,
+                    )  # fmt: skip
+                    fits = mem["total"] <= usable
+                    tokens = global_batch * s
+                    model_flops = training_flops(spec.n_params, tokens)
+                    yield PlanRow(
+                        layout=par, zero_stage=zero, micro_batch_size=mbs,
+                        microbatches=m, schedule=sched, chunks=v,
+                        checkpointing=ck, sequence_parallel=sp, memory=mem,
+                        traffic=traffic, compute_s=time["compute_s"],
+                        comm_s=time["comm_s"], bubble_s=time["bubble_s"],
+                        step_s=time["step_s"],
+                        tokens_per_s=tokens / time["step_s"],
+                        mfu=model_flops
+                        / (par.world_size * gpu.peak_bf16_flops * time["step_s"]),
+                        fits=fits, why="" if fits else _why_not(mem, usable, gpu),
+                    )  # fmt: skip
