@@ -1,10 +1,14 @@
 """A static dashboard from a real run: ``python -m dtlab.lab.snapshot OUT.png``.
 
-Makes the README picture (``docs/dashboard.png``) and shows, in one script, what
-chapter 01 does in a notebook: start a 4-engine CPU cluster, run real collectives
-with telemetry on, and put each measurement next to its prediction.
+Makes the README picture (``docs/dashboard.png``): start a 4-engine CPU cluster,
+train a small GPT under a 3D layout (``--layout tp2·pp2`` by default) and draw
+chapter 07's live dashboard (:mod:`dtlab.lab.dashboard`) as it stands at the end of
+the run: loss, memory per rank next to ``estimate.layout_memory``, the pipeline
+timeline, traffic per step by group and op next to ``estimate.layout_traffic``,
+and the rank × rank traffic matrix.
 
-The four panels:
+``--collectives`` draws chapter 01's dashboard instead: real collectives with
+telemetry on, each measurement next to its prediction. Its four panels:
 
 1. bytes each rank sent during a ring all-reduce built from send/recv
    (:func:`dtlab.comm.ring_all_reduce`) against ``2(N-1)/N·S``;
@@ -25,6 +29,7 @@ import torch
 
 from dtlab import comm, estimate, telemetry
 from dtlab.lab import plots
+from dtlab.topology import Layout
 
 SIZES = [2**k for k in range(10, 23, 2)]  # 1 KiB .. 4 MiB payloads
 RING_BYTES = 1 << 20  # the ring all-reduce's tensor: 1 MiB of fp32
@@ -165,19 +170,99 @@ def dashboard(data: dict):
     return fig
 
 
+# ---- the 3D dashboard (chapter 07) ------------------------------------------------
+SNAPSHOT_MODEL = dict(vocab_size=64, seq_len=32, n_layers=4, n_heads=4, d_model=64)
+
+
+def parse_layout(text: str) -> Layout:
+    """``"tp2·pp2"`` or ``"dp2.pp2"`` or ``"dp2,tp2"`` -> ``Layout``."""
+    import re
+
+    parts = [p for p in re.split(r"[·.,x* ]+", text.strip()) if p]
+    sizes = {}
+    for part in parts:
+        m = re.fullmatch(r"(dp|tp|pp)(\d+)", part)
+        if m is None or m.group(1) in sizes:
+            raise ValueError(
+                f"cannot read layout {text!r}: write it like 'tp2·pp2' or 'dp2,pp2' "
+                "(each of dp, tp, pp at most once)"
+            )
+        sizes[m.group(1)] = int(m.group(2))
+    return Layout(**sizes)
+
+
+def train_3d(cluster, layout: Layout, *, steps: int = 6, timeout: float = 300):
+    """Train the snapshot's GPT under ``layout`` with the live dashboard attached;
+    return ``(dashboard, run)``."""
+    from dtlab.lab.dashboard import Dashboard
+    from dtlab.lab.training import start_run
+    from dtlab.model import GPTConfig
+    from dtlab.train import TrainConfig
+
+    config = TrainConfig(
+        model=GPTConfig(**SNAPSHOT_MODEL),
+        layout=layout,
+        steps=steps,
+        global_batch_size=8,
+        lr=1e-2,
+    )
+    board = Dashboard(config, cluster.world_size)
+    run = start_run(cluster, config, on_events=board, timeout=timeout).wait(timeout)
+    board.flush()
+    return board, run
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dtlab.lab.snapshot",
-        description="Run real collectives on a 4-engine CPU cluster and write a "
-        "dashboard PNG (the README picture).",
+        description="Train a small GPT under a 3D layout on a 4-engine CPU cluster "
+        "and write the live dashboard as a PNG (the README picture).",
     )
     parser.add_argument("out", nargs="?", default="docs/dashboard.png")
     parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--layout", default="tp2·pp2", help="e.g. tp2·pp2, dp2,pp2")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--collectives",
+        action="store_true",
+        help="chapter 01's collectives dashboard instead of the 3D training one",
+    )
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be >= 1, got {args.reps}")
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.collectives:
+        return _main_collectives(args)
+    try:
+        layout = parse_layout(args.layout)
+        layout.validate(args.world_size)
+    except ValueError as exc:
+        parser.error(str(exc))
 
+    from dtlab.lab import LabCluster
+
+    t0 = time.perf_counter()
+    cluster = LabCluster(args.world_size, backend="gloo")
+    try:
+        cluster.start()
+        board, run = train_3d(cluster, layout, steps=args.steps)
+    finally:
+        cluster.stop()
+    print(
+        f"{layout}: {args.steps} steps, loss {run.losses()[0]:.4f} -> "
+        f"{run.losses()[-1]:.4f}"
+    )
+    fig = board.figure()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    plots.save_png(fig, args.out)
+    print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _main_collectives(args) -> int:
+    """Chapter 01's dashboard: real collectives, each next to its prediction."""
     from dtlab.lab import LabCluster
 
     t0 = time.perf_counter()

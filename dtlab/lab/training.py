@@ -14,6 +14,14 @@ Taught in chapter 02; every later chapter trains through it.
 emits a telemetry event of kind ``"step"`` per step, which reaches the notebook
 while the run goes on (ipyparallel's data publication) and is handed to the live
 figure and to ``on_records``.
+
+Chapter 07's control panel needs a run that does not block the kernel and can be
+stopped: :func:`start_run` trains in a background thread and returns a
+:class:`LiveRun` at once::
+
+    live = start_run(cluster, config, on_events=dashboard)
+    live.stop()          # every rank leaves after the same step
+    run = live.wait(60)  # the TrainRun
 """
 
 from __future__ import annotations
@@ -43,18 +51,8 @@ class TrainRun:
 
 
 def _train_on_engine(config: TrainConfig) -> list[dict]:
-    """Runs on each engine. Reuses the topology the engine made at start (the one
-    ``%%px`` cells see) when its layout fits, so that run after run does not pile up
-    new process groups."""
-    import torch.distributed as dist
-
-    from dtlab.lab import engine
-
-    topo = engine._user_ns().get("topo")
-    layout = config.resolve_layout(dist.get_world_size())
-    if topo is None or getattr(topo, "released", False) or topo.layout != layout:
-        topo = None
-    return Trainer(config, topo).fit()
+    """Runs on each engine (see :func:`_engine_topology`)."""
+    return Trainer(config, _engine_topology(config)).fit()
 
 
 def train(
@@ -118,3 +116,310 @@ def _display(widget) -> None:
         return
     if get_ipython() is not None:
         display(widget)
+
+
+# ---- a run in the background that Stop ends at a step boundary (chapter 07) ----------
+#
+# The notebook's Run button must not block the kernel: the kernel has to stay free to
+# process the Stop click (and to redraw the live figures). So the run's
+# ``cluster.run`` call waits in a background thread of the kernel, and Stop reaches
+# the engines by a signal:
+#
+# 1. each engine trains one step at a time (``Trainer.fit(1)``); a SIGUSR1 handler,
+#    installed on the engine's main thread, only sets a flag;
+# 2. after every step the ranks agree with a 1-element all-reduce (MAX) of their
+#    flags, tagged ``"control"``: a stop seen by any rank is seen by all, so every
+#    rank leaves the loop after the *same* step, with no collective left half done;
+# 3. a rank announces (telemetry event ``kind="control", what="ready"``) once its
+#    handler is in place: until then the notebook holds the signal back, because a
+#    SIGUSR1 with no handler would end the engine process.
+#
+# If the ranks do not stop within a bound (a rank stuck inside a step), Stop falls
+# back to the cluster's interrupt (SIGINT): the run ends with an error on every rank
+# and the next run resets the process group by itself.
+
+_STOP = {"requested": False, "installed": False}  # on each engine
+
+
+def _on_stop_signal(signum, frame) -> None:
+    _STOP["requested"] = True  # all a signal handler should do: the loop decides
+
+
+def _install_stop_handler() -> bool:
+    """Install the SIGUSR1 handler (once per engine; it stays installed, so a signal
+    that arrives just after a run ended sets a flag instead of killing the engine)
+    and clear any old request. Returns whether the handler is in place: Python only
+    installs handlers from the main thread."""
+    import signal
+    import threading
+
+    if not _STOP["installed"]:
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        signal.signal(signal.SIGUSR1, _on_stop_signal)
+        # restart interrupted system calls: a gloo socket read in progress must not
+        # fail with EINTR because Stop was pressed
+        signal.siginterrupt(signal.SIGUSR1, False)
+        _STOP["installed"] = True
+    _STOP["requested"] = False
+    return True
+
+
+def _engine_topology(config: TrainConfig):
+    """The topology the engine made at start (the one ``%%px`` cells see) when its
+    layout fits, so that run after run does not pile up new process groups."""
+    import torch.distributed as dist
+
+    from dtlab.lab import engine
+
+    topo = engine._user_ns().get("topo")
+    layout = config.resolve_layout(dist.get_world_size())
+    if topo is None or getattr(topo, "released", False) or topo.layout != layout:
+        return None
+    return topo
+
+
+def _train_stoppable_on_engine(config: TrainConfig, pace: float = 0.0) -> dict:
+    """Runs on each engine: ``config.steps`` steps, one ``fit(1)`` at a time, leaving
+    after the first step at which any rank saw a stop request."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from dtlab import comm, telemetry
+
+    rec = telemetry.current()
+    stoppable = _install_stop_handler()
+    rec.emit("control", what="ready" if stoppable else "unstoppable", pid=os.getpid())
+    rec.flush()  # the notebook learns now, not at the next publication
+    trainer = Trainer(config, _engine_topology(config))
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    stopped_at = None
+    for step in range(config.steps):
+        trainer.fit(1)
+        if step == config.steps - 1:
+            break  # the last step: nothing left to stop
+        if pace > 0:
+            time.sleep(pace)  # a watchable run: the dashboard has time to redraw
+        flag = torch.tensor([1.0 if _STOP["requested"] else 0.0], device=device)
+        # one rank's request is every rank's: all leave after the same step
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX, tag="control")
+        if flag.item() > 0:
+            stopped_at = step
+            rec.emit("control", what="stopped", at_step=step)
+            break
+    _STOP["requested"] = False
+    return {"records": trainer.records, "stopped_at": stopped_at, "t_end": time.time()}
+
+
+def _local_engines(cluster) -> bool:
+    """Whether ``cluster.pids`` are processes of this machine (not a profile's)."""
+    return (
+        getattr(cluster, "engines", "local") == "local"
+        and getattr(cluster, "profile_dir", None) is None
+    )
+
+
+class LiveRun:
+    """A training run going on in a background thread of the kernel; made by
+    :func:`start_run`.
+
+    ``stop()`` ends it at a step boundary (every rank after the same step),
+    ``wait()`` returns its :class:`TrainRun`. While it runs, ``step``, ``loss`` and
+    ``tokens_per_s`` follow the newest record.
+    """
+
+    def __init__(self, cluster, config, *, on_events, on_done, pace, timeout,
+                 publish_interval):  # fmt: skip
+        import threading
+
+        self.cluster = cluster
+        self.config = config
+        self.pace = float(pace)
+        self.timeout = float(timeout)
+        self.publish_interval = publish_interval
+        self._on_events = on_events
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._ready: set[int] = set()  # ranks whose stop handler is in place
+        self._signalled: set[int] = set()
+        self.stop_requested = False
+        self.interrupted = False  # Stop had to fall back to SIGINT
+        self.message = ""
+        self.step = -1  # newest step seen in a record
+        self.loss = float("nan")
+        self.tokens_per_s = float("nan")
+        self.stopped_at: int | None = None
+        self.result: TrainRun | None = None
+        self.error: BaseException | None = None
+        self.t_start = self.t_end = None  # wall clock (time.time())
+        self.rank_t_end: list[float] = []  # when each rank's loop ended
+        self._thread = threading.Thread(target=self._main, name="dtlab-run")
+        self._thread.daemon = True  # a kernel that exits does not wait for it
+
+    # ---- the background thread --------------------------------------------------
+    def _main(self) -> None:
+        import time
+
+        self.t_start = time.time()
+        try:
+            out = self.cluster.run(
+                _train_stoppable_on_engine,
+                self.config,
+                self.pace,
+                timeout=self.timeout,
+                record=True,
+                on_events=self._events,
+                publish_interval=self.publish_interval,
+            )
+            stops = {o["stopped_at"] for o in out}
+            if len(stops) != 1:  # the agreement all-reduce makes this impossible
+                raise RuntimeError(f"ranks stopped at different steps: {stops}")
+            self.stopped_at = stops.pop()
+            self.rank_t_end = [o["t_end"] for o in out]
+            self.result = TrainRun(
+                self.config, [o["records"] for o in out], list(self.cluster.last_events)
+            )
+            if self.stopped_at is not None:
+                self.message = (
+                    f"stopped after step {self.stopped_at} on every rank "
+                    f"({self.stopped_at + 1} of {self.config.steps} steps)"
+                )
+        except BaseException as exc:  # noqa: BLE001 - handed to wait() and on_done
+            self.error = exc
+        finally:
+            self.t_end = time.time()
+            if self._on_done is not None:
+                try:
+                    self._on_done(self)
+                except BaseException as exc:  # noqa: BLE001 - never lost
+                    self.error = self.error or exc
+
+    def _events(self, batch) -> None:
+        for e in batch:
+            kind = e.get("kind")
+            if kind == "control" and e.get("what") == "ready":
+                with self._lock:
+                    self._ready.add(e["rank"])
+                    late = self.stop_requested  # Stop came before this rank was ready
+                if late:
+                    self._signal([e["rank"]])
+            elif kind == "step" and e["step"] >= self.step:
+                self.step = e["step"]
+                self.loss = e.get("loss", self.loss)
+                t = e.get("time_s") or 0.0
+                tokens = self.config.global_batch_size * self.config.model.seq_len
+                self.tokens_per_s = e.get("tokens_per_s", tokens / t if t else 0.0)
+        if self._on_events is not None:
+            self._on_events(batch)
+
+    def _signal(self, ranks) -> None:
+        import os
+        import signal
+
+        if not _local_engines(self.cluster):
+            return  # pids of another machine: never signal them here
+        for r in ranks:
+            with self._lock:
+                if r in self._signalled:
+                    continue
+                self._signalled.add(r)
+            pid = self.cluster.pids.get(r)
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+
+    # ---- the notebook side ------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 20.0) -> str:
+        """Ask every rank to stop after its current step and wait up to ``timeout``
+        seconds; if they have not stopped by then, interrupt them (SIGINT) and say
+        so. Returns what happened (also in :attr:`message`)."""
+        import os
+        import signal
+
+        if not self.running:
+            return self.message or "the run had already finished"
+        if not _local_engines(self.cluster):
+            raise RuntimeError(
+                "Stop signals the engine processes, which needs engines on this "
+                "machine; these were launched by a profile elsewhere: wait for the "
+                "run, or call cluster.restart()"
+            )
+        with self._lock:
+            self.stop_requested = True
+            ready = sorted(self._ready)
+        self._signal(ready)  # ranks not ready yet are signalled when they are
+        self._thread.join(timeout)
+        if self.running:
+            self.interrupted = True
+            self.message = (
+                f"the ranks did not stop at a step boundary within {timeout:g} s: "
+                "they were interrupted (SIGINT); the next run resets the process "
+                "group by itself"
+            )
+            for pid in self.cluster.pids.values():
+                try:
+                    os.kill(pid, signal.SIGINT)  # idle engines ignore SIGINT
+                except ProcessLookupError:
+                    pass
+            self._thread.join(max(timeout, 30.0))  # the ranks tear their group down
+        return self.message
+
+    def wait(self, timeout: float | None = None) -> TrainRun:
+        """Block until the run ends (at most ``timeout`` seconds) and return its
+        :class:`TrainRun`; a rank's error is raised here."""
+        self._thread.join(timeout)
+        if self.running:
+            raise TimeoutError(
+                f"the run is still going after {timeout} s (step {self.step}): "
+                "call stop() or wait longer"
+            )
+        if self.error is not None and not self.interrupted:
+            raise self.error
+        return self.result
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else ("failed" if self.error else "done")
+        return f"<LiveRun {state} step {self.step + 1}/{self.config.steps}>"
+
+
+def start_run(
+    cluster,
+    config: TrainConfig,
+    *,
+    on_events: Callable[[list[dict]], None] | None = None,
+    on_done: Callable[[LiveRun], None] | None = None,
+    pace: float = 0.0,
+    timeout: float = 600.0,
+    publish_interval: float = 0.1,
+) -> LiveRun:
+    """Start training ``config`` on every rank of ``cluster`` in a background thread
+    and return at once with a :class:`LiveRun` (``.stop()``, ``.wait()``).
+
+    ``on_events(batch)`` receives the telemetry of every rank while the run goes on
+    (steps, comm, compute spans, memory); it runs in the background thread.
+    ``on_done(run)`` is called there when the run ends, however it ends. ``pace``
+    sleeps that many seconds between steps, so that a person can watch a tiny model
+    train. The config is checked first: a bad one raises ``ValueError`` here.
+    """
+    if not isinstance(config, TrainConfig):
+        raise ValueError(f"config must be a dtlab.train.TrainConfig, got {config!r}")
+    if pace < 0:
+        raise ValueError(f"pace must be >= 0 seconds between steps, got {pace}")
+    config.check(cluster.world_size)  # fail here, before any engine starts
+    run = LiveRun(cluster, config, on_events=on_events, on_done=on_done, pace=pace,
+                  timeout=timeout, publish_interval=publish_interval)  # fmt: skip
+    run._thread.start()
+    return run
