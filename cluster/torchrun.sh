@@ -12,7 +12,13 @@
 # the job id come from Slurm (see cluster/slurm/torchrun.sbatch).
 #
 # The script calls dtlab.launch.init_from_env() (or torch.distributed's own
-# init_process_group) and then runs the same code as in the lab.
+# init_process_group) and then runs the same code as in the lab. To train a
+# TrainConfig file with no script of your own, run dtlab's headless runner:
+#
+#   cluster/torchrun.sh --nproc 4 -m dtlab.cli run cfg.json --out runs/a
+#
+# (rank{R}.jsonl telemetry, trace.json for Perfetto and summary.json land in runs/a;
+# see `dtlab run -h`).
 #
 # Options:
 #   --nproc N          processes on this node (default: auto, one per GPU, else one

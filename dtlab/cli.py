@@ -2,8 +2,11 @@
 
 - ``dtlab lab``: JupyterLab on the chapter index, on 127.0.0.1, token on.
 - ``dtlab info``: what this machine offers (backend, GPUs, CPU engines it can run).
-- ``dtlab bench ddp|zero|tp|pp``: time dtlab's implementation of a technique
-  against PyTorch's own, in the same run, and print the table.
+- ``dtlab run CONFIG``: train a :class:`dtlab.train.TrainConfig` headless, under
+  torchrun or on ``--nproc`` local processes (:mod:`dtlab.run`).
+- ``dtlab bench``: every comparison with PyTorch's own implementations and with the
+  estimates, in one run, one table (:mod:`dtlab.bench`);
+  ``dtlab bench ddp|zero|tp|pp``: one technique against PyTorch's, its own table.
 """
 
 from __future__ import annotations
@@ -109,7 +112,20 @@ def _bench(args) -> int:
     return 0
 
 
+BENCH_PARTS = ("ddp", "zero", "tp", "pp")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `run` and the all-in-one `bench` parse their own options
+    if argv[:1] == ["run"]:
+        from dtlab.run import main as run_main
+
+        return run_main(argv[1:])
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in BENCH_PARTS):
+        from dtlab.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="dtlab", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -131,16 +147,30 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="what this machine offers")
     info.set_defaults(func=_info)
 
-    bench = sub.add_parser(
-        "bench", help="time a technique against PyTorch's implementation"
+    sub.add_parser(
+        "run",
+        help="train a TrainConfig headless (torchrun or --nproc); see dtlab run -h",
+        add_help=False,
     )
-    bench.add_argument("what", choices=["ddp", "zero", "tp", "pp"])
+    bench = sub.add_parser(
+        "bench",
+        help="every comparison with PyTorch and the estimates in one table "
+        "(dtlab bench [--quick] [--json P] [--plot P.png]), or one technique "
+        "(dtlab bench ddp|zero|tp|pp)",
+    )
+    bench.add_argument("what", choices=BENCH_PARTS)
     bench.add_argument("--p", type=int, default=4, help="pp: pipeline stages")
     bench.add_argument("--steps", type=int, default=5, help="pp: steps to time")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="tp: its own options")
     bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.what != "tp" and args.rest:
+        # only tp takes options of its own; elsewhere they are ours (or a typo)
+        if {"-h", "--help"} & set(args.rest):
+            bench.print_help()
+            return 0
+        parser.error(f"unrecognized arguments: {' '.join(args.rest)}")
     return args.func(args)
 
 

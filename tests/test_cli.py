@@ -80,3 +80,25 @@ def test_dtlab_lab_serves_the_course_with_a_token():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _help(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's -h exits
+        return exc.code
+
+
+def test_run_and_bench_have_their_own_options(capsys):
+    assert _help(["--help"]) == 0
+    top = capsys.readouterr().out
+    assert "run" in top and "bench" in top
+    for argv, expected in (
+        (["run", "-h"], "--nproc"),
+        (["bench", "-h"], "--quick"),
+        (["bench", "pp", "-h"], "--steps"),  # one part keeps its own options
+    ):
+        assert _help(argv) == 0
+        assert expected in capsys.readouterr().out
+    assert _help(["bench", "ddp", "--bogus"]) == 2  # not silently ignored
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
