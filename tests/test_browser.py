@@ -45,10 +45,11 @@ TOKEN = uuid.uuid4().hex
 # Bounds on every wait (seconds). Generous: CI machines are small and shared.
 SERVER_UP, PAGE_READY, RUN_ALL = 120, 180, 420
 
-# One line per chapter (07 joins with one more). Each is opened by clicking its link
-# in the index, as a learner does.
+# Each chapter is opened by clicking its link in the index, as a learner does: 01
+# (the live collectives figure) and 07 (the control panel and the live dashboard).
 CHAPTERS = [
     pytest.param("01_collectives.ipynb", id="01"),
+    pytest.param("07_3d_parallelism.ipynb", id="07"),
 ]
 
 
@@ -205,9 +206,15 @@ _RECORD_DRAWS = """() => {
     gd.__dtlab = rec;
     window.__dtlabPlots.push(rec);
     const snap = () => {
-      const prompt = cell.querySelector('.jp-InputPrompt').textContent;
-      const points = (gd._fullData || []).reduce(
-        (n, t) => n + (t._length || (t.x ? t.x.length : 0) || 0), 0);
+      // busy: some cell is running. A chapter 01 figure updates while its own cell
+      // runs; chapter 07's dashboard, shown in one cell, while a later cell trains.
+      const prompt = cells().map(
+        c => c.querySelector('.jp-InputPrompt').textContent).join(' ');
+      // data drawn: points of a scatter/bar, rows of a heatmap, cells of a table
+      const rows = (t) => (t.cells && t.cells.values && t.cells.values[0]
+        ? t.cells.values[0].length : 0);
+      const points = (gd._fullData || []).reduce((n, t) => n + (t._length
+        || (t.x ? t.x.length : 0) || (t.z ? t.z.length : 0) || rows(t) || 0), 0);
       // plotly's mime renderer (a static figure) marks its own node
       rec.widget = !gd.closest('.jp-RenderedPlotly');
       rec.draws.push({t: Date.now(), busy: prompt.includes('*'),
@@ -408,7 +415,7 @@ def _check(chapter, cells, plots, saved, elapsed):
     assert sum(c["plots"] for c in cells) >= 1, f"{chapter}: no plotly figure drew"
     static = [p for p in plots if not p["widget"]]
     assert all(any(d["points"] for d in p["draws"]) for p in static), static
-    # the live figure: while its cell was still running, the browser redrew it
+    # the live figure: while the notebook was still running, the browser redrew it
     # with new data at least twice (points drawn, not just the empty first frame)
     live = [p for p in plots if p["widget"]]
     assert live, f"{chapter}: no live figure (FigureWidget) appeared"
