@@ -288,8 +288,9 @@ def predicted_traffic(config: TrainConfig, layout: Layout) -> dict:
     )  # fmt: skip
 
 
-def predicted_memory(config: TrainConfig, layout: Layout) -> dict:
-    """Bytes per rank by category (:func:`dtlab.estimate.layout_memory`)."""
+def predicted_memory(config: TrainConfig, layout: Layout, stage=None) -> dict:
+    """Bytes per rank by category (:func:`dtlab.estimate.layout_memory`), at pipeline
+    stage ``stage`` or, by default, the most loaded one."""
     from dtlab import estimate
 
     _, per_flush, rows = _shape(config, layout)
@@ -299,6 +300,7 @@ def predicted_memory(config: TrainConfig, layout: Layout) -> dict:
         schedule=config.schedule, chunks=config.chunks,
         checkpointing=config.activation_checkpointing,
         sequence_parallel=config.sequence_parallel, offload=config.offload,
+        stage=stage,
     )  # fmt: skip
 
 

@@ -85,7 +85,7 @@ def _check_against_reference(results, configs, ref, rel=2e-6):
 
 
 @pytest.mark.cluster
-@pytest.mark.slow  # 24 trainings / 8 engines: ~15-30 s, more under load
+@pytest.mark.slow  # 24 trainings / 4 engines: ~15-30 s, more under load
 def test_every_world4_layout_with_every_dp_flavour_matches_the_reference(lab_cluster):
     configs = [_config(lay, s) for lay in LAYOUTS_4 for s in DP_FLAVOURS]
     results = lab_cluster(4).run(_train_many, configs, timeout=300)

@@ -42,7 +42,6 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from dtlab import estimate
 from dtlab.lab import plots
 from dtlab.topology import Layout
 
@@ -50,58 +49,27 @@ MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 SPAN_NAMES = ("F", "B", "W", "opt", "idle")
 AXES = ("dp", "tp", "pp", "world")  # the groups of a 3D layout, then the whole world
 AXIS_COLORS = {"dp": "#4c78a8", "tp": "#f58518", "pp": "#54a24b", "world": "#9d755d"}
-ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
-# ---- predictions for a config ----------------------------------------------------
-def microbatching(config, layout: Layout) -> tuple[int, int]:
-    """``(micro_batch_size, microbatches)`` one data-parallel rank runs per pipeline
-    flush: the pipeline's microbatches when ``pp > 1``
-    (:meth:`TrainConfig.resolve_microbatches`), otherwise the gradient-accumulation
-    micro-batches of a step."""
-    accum = config.grad_accum_steps
-    per_rank = config.global_batch_size // layout.dp
-    if layout.pp > 1:
-        m = config.resolve_microbatches(layout)
-        return max(1, per_rank // (accum * m)), m
-    return max(1, per_rank // accum), accum
-
-
-def _estimate_kwargs(config, layout: Layout) -> dict:
-    mbs, m = microbatching(config, layout)
-    return dict(
-        zero_stage=ZERO_STAGE.get(config.strategy, 0),
-        precision=config.precision,
-        micro_batch_size=mbs,
-        microbatches=m,
-        sequence_parallel=config.sequence_parallel,
-    )
-
-
+# ---- predictions for a config (the same ones ``dtlab run`` prints) -------------------
 def predicted_memory(config, world_size: int) -> dict[int, dict[str, float]]:
-    """``{rank: bytes by category}`` from :func:`dtlab.estimate.layout_memory`, each
-    rank at its own pipeline stage."""
+    """``{rank: bytes by category}`` from :func:`dtlab.run.predicted_memory`
+    (:func:`dtlab.estimate.layout_memory`), each rank at its own pipeline stage."""
+    from dtlab import run
+
     layout = config.resolve_layout(world_size)
-    kw = _estimate_kwargs(config, layout)
-    kw.update(
-        schedule=config.schedule,
-        chunks=config.chunks,
-        checkpointing=config.activation_checkpointing,
-    )
     by_stage = {
-        s: estimate.layout_memory(config.model, layout, stage=s, **kw)
-        for s in range(layout.pp)
+        s: run.predicted_memory(config, layout, stage=s) for s in range(layout.pp)
     }
     return {r: by_stage[layout.coords(r)["pp"]] for r in range(world_size)}
 
 
 def predicted_traffic(config, world_size: int) -> dict[str, float]:
     """Wire bytes one rank sends per step by axis (the busiest rank of each), from
-    :func:`dtlab.estimate.layout_traffic`."""
-    layout = config.resolve_layout(world_size)
-    kw = _estimate_kwargs(config, layout)
-    kw.update(schedule=config.schedule, chunks=config.chunks)
-    return dict(estimate.layout_traffic(config.model, layout, **kw))
+    :func:`dtlab.run.predicted_traffic` (:func:`dtlab.estimate.layout_traffic`)."""
+    from dtlab import run
+
+    return dict(run.predicted_traffic(config, config.resolve_layout(world_size)))
 
 
 # ---- who sends to whom -----------------------------------------------------------

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dtlab.train import TrainConfig, Trainer
+from dtlab.train import TrainConfig, Trainer, default_device
 
 
 @dataclass
@@ -186,7 +186,6 @@ def _train_stoppable_on_engine(config: TrainConfig, pace: float = 0.0) -> dict:
     import time
 
     import torch
-    import torch.distributed as dist
 
     from dtlab import comm, telemetry
 
@@ -195,11 +194,7 @@ def _train_stoppable_on_engine(config: TrainConfig, pace: float = 0.0) -> dict:
     rec.emit("control", what="ready" if stoppable else "unstoppable", pid=os.getpid())
     rec.flush()  # the notebook learns now, not at the next publication
     trainer = Trainer(config, _engine_topology(config))
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
+    device = default_device()  # a device tensor for nccl's all-reduce
     stopped_at = None
     for step in range(config.steps):
         trainer.fit(1)
