@@ -63,7 +63,8 @@ def test_error_on_one_rank_is_reported_fast_with_its_rank(lab_cluster):
     assert "deliberate failure on 2" in str(info.value)
     assert "_fail_on" in info.value.remote_traceback  # the rank's own traceback
     assert "[ranks [0, 1, 3] failed after it]" in str(info.value)
-    assert elapsed < 5, f"peers waited {elapsed:.1f}s instead of failing fast"
+    # fail-fast, not the 20 s group timeout (the margin allows a loaded machine)
+    assert elapsed < 12, f"peers waited {elapsed:.1f}s instead of failing fast"
     # the next run resets the process group by itself ...
     assert cluster.run(_rank_and_sum)[0] == (0, 4, 6.0)
     # ... and an explicit reset gives a working group too

@@ -20,11 +20,12 @@ def _boom_on_one():
 def test_spawn_names_the_failing_rank_and_does_not_wait_out_the_timeout():
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        spawn(_boom_on_one, 2, timeout=60)
+        spawn(_boom_on_one, 2, timeout=300)
     assert info.value.rank == 1
     assert "missing on rank one" in str(info.value)
     assert "_boom_on_one" in info.value.remote_traceback
-    assert time.monotonic() - t0 < 40  # start-up plus fail-fast, not the 60 s timeout
+    # start-up plus fail-fast, far below the 300 s timeout even on a loaded machine
+    assert time.monotonic() - t0 < 120
 
 
 def test_rank_error_prefers_the_cause_over_its_consequences():

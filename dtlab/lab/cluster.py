@@ -469,10 +469,26 @@ class LabCluster:
             except ipp.error.RemoteError as exc:
                 errors.append((rank, exc))
             except ipp.error.EngineError as exc:
+                self._check_alive(wait=2.0)  # names the signal, when it can
+                self._needs_reset = True
                 raise EngineDied(
                     f"rank {rank}'s engine died during {what}: {exc}; "
                     "call cluster.restart()"
                 ) from None
+        if errors and any(
+            getattr(exc, "ename", "") == "EngineError" for _, exc in errors
+        ):
+            # ipyparallel noticed a dead engine before our liveness check did:
+            # name the engine and how it ended (its signal) rather than the
+            # stranded task; ranks whose process is still alive are reported too
+            self._check_alive(wait=2.0)
+            rank = next(r for r, exc in errors if exc.ename == "EngineError")
+            self._needs_reset = True
+            raise EngineDied(
+                f"rank {rank}'s engine died during {what}: "
+                f"{self._exit_reason(self.pids[rank])}; call cluster.restart()"
+                f"{self._doing_lines()}"
+            )
         if errors:
             if all(_engine.NO_GROUP in str(exc.evalue) for _, exc in errors):
                 raise _WorldDown(self._rank_error(errors, what))
@@ -539,8 +555,14 @@ class LabCluster:
             failures.append((rank, message, tb, t_fail, doing))
         return rank_error(failures, what)
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, wait: float = 0.0) -> None:
+        """Raise EngineDied if an engine process is gone; ``wait`` seconds for a
+        process that ipyparallel already reported dead to finish exiting."""
+        deadline = time.monotonic() + wait
         dead = [r for r, pid in self.pids.items() if not _alive(pid)]
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = [r for r, pid in self.pids.items() if not _alive(pid)]
         if dead:
             self._needs_reset = True
             how = "".join(
