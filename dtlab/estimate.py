@@ -1540,9 +1540,9 @@ def _stage_traffic(
     parts = [(dense, group)]
     if sp["experts"]:
         parts.append((sp["layers"] * sp["experts"], group // par.ep))
-    # dtlab.zero reduces after every backward (micro-batch, or pipeline
-    # micro-batch); DDP and the pipeline's data-parallel sync once per step
-    per_mb = k if zero_stage >= 1 else 1
+    # ZeRO 2-3 reduce-scatter after every backward (micro-batch, or pipeline
+    # micro-batch); DDP and ZeRO 0-1 accumulate full gradients, sync once per step
+    per_mb = k if zero_stage >= 2 else 1
     for psi, n in parts:
         if n == 1:
             continue
@@ -1627,10 +1627,10 @@ def layout_traffic(
     ``stage`` or, by default, the busiest rank on each axis.
 
     - dp: :func:`zero_comm_per_step` on the stage's Ψ over the ``dp·cp`` replicas
-      (2Ψ, ZeRO-3 3Ψ, times the ring's (N-1)/N). dtlab.zero reduces after every
-      backward, so with several micro-batches (gradient accumulation, or a
-      pipeline's) ZeRO pays its reduce-scatter (and ZeRO-3 its gathers) per
-      micro-batch; DDP and a pipeline's data-parallel sync pay once per step.
+      (2Ψ, ZeRO-3 3Ψ, times the ring's (N-1)/N). ZeRO-2 and -3 do not keep the
+      full gradient, so with several micro-batches (gradient accumulation, or a
+      pipeline's) they pay their reduce-scatter (and ZeRO-3 its gathers) per
+      micro-batch; DDP and ZeRO-0/1 accumulate and pay once per step.
     - tp: :func:`tp_bytes_per_layer` per block and micro-batch (2 + 2 all-reduces,
       or their all-gather/reduce-scatter halves under sequence parallelism), plus
       the vocabulary-parallel embedding and head and the loss's three all-reduces
@@ -1957,7 +1957,7 @@ def layout_step_time(
     else:
         step = m * (t_f + t_b)
     bubble = step - m * (t_f + t_b)
-    # data parallelism: once per step (ZeRO: its reductions per micro-batch);
+    # data parallelism: once per step (ZeRO 2-3: reductions per micro-batch);
     # expert weights only among the dp·cp/ep ranks that hold the same experts
     group = par.dp * par.cp
     dp_s = 0.0
@@ -1965,7 +1965,7 @@ def layout_step_time(
     parts = [(_dense_count(spec, par, sp0, zero_stage), group)]
     if sp0["experts"]:
         parts.append((sp0["layers"] * sp0["experts"], group // par.ep))
-    per_mb = m if zero_stage >= 1 else 1
+    per_mb = m if zero_stage >= 2 else 1
     for psi, n in parts:
         if n == 1:
             continue

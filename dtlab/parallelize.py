@@ -41,9 +41,10 @@ first stage; the squares are summed over tp and pp (and over dp under ZeRO, wher
 the dp ranks hold disjoint slices).
 
 Gradient accumulation (``grad_accum_steps = k``): without a pipeline, k forward and
-backward passes per step (DDP under ``no_sync`` until the last); with one, k pipeline
-flushes per step, each loss scaled by 1/k, and the tied-embedding and dp sums once,
-after the last flush.
+backward passes per step (DDP and ZeRO 0-1 under ``no_sync`` until the last); with
+one, k pipeline flushes per step, each loss scaled by 1/k, and the tied-embedding and
+dp sums once, after the last flush. ZeRO 2-3 hold only their gradient slice, so they
+reduce-scatter after every (pipeline) micro-batch's backward instead.
 
 What does not compose, and why (:func:`check_composition` says so before anything
 runs): ZB-H1 with ZeRO (its split backward computes input and weight gradients in
@@ -317,8 +318,9 @@ class ParallelStrategy(Strategy):
         losses = []
         for m, (x, y) in enumerate(micro):
             # every micro-batch but the last accumulates without communicating
+            # (DDP, ZeRO 0-1; ZeRO 2-3 reduce-scatter each one, see dtlab.zero)
             last = m == k - 1
-            with model.no_sync() if ddp and not last else contextlib.nullcontext():
+            with self._no_sync(model) if not last else contextlib.nullcontext():
                 with rec.span("F", microbatch=m), counter or contextlib.nullcontext():
                     _, loss = model(x, y)
                 scaled = scaler.scale(loss / k if k > 1 else loss)
@@ -329,6 +331,14 @@ class ParallelStrategy(Strategy):
         model.finish_gradient_synchronization()
         return sum(losses) / k, self.activation_peak(counter)
 
+    def _no_sync(self, model):
+        """DDP and ZeRO stages 0-1 hold full gradients: micro-batches before the
+        last accumulate into them without communicating. ZeRO 2-3 shard the
+        gradients, so they reduce-scatter after every backward."""
+        if self.zero_stage is None or self.zero_stage <= 1:
+            return model.no_sync()
+        return contextlib.nullcontext()
+
     def _pipeline_step(self, step, rec):
         """k pipeline flushes (one per accumulation step), then the gradient sums."""
         cfg = self.config
@@ -338,14 +348,21 @@ class ParallelStrategy(Strategy):
         x, y = x.to(self.device), y.to(self.device)
         scale = self.optimizer.scaler.scale_value
         losses, peak = [], 0
-        for xf, yf in zip(x.chunk(k), y.chunk(k)):  # k x (B/(dp·k), T)
-            out = self.pipe.step(xf, yf, loss_scale=scale / k, sync=False)
-            losses.append(out["loss"] if out["loss"] is not None else 0.0)
-            peak = max(peak, out["peak_activation_bytes"])
+        # ZeRO 0-1: every backward of every flush only accumulates (see _no_sync)
+        with contextlib.ExitStack() as stack:
+            if self.zero_stage is not None and self.zero_stage <= 1:
+                for w in self.wrapped:
+                    stack.enter_context(w.no_sync())
+            for xf, yf in zip(x.chunk(k), y.chunk(k)):  # k x (B/(dp·k), T)
+                out = self.pipe.step(xf, yf, loss_scale=scale / k, sync=False)
+                losses.append(out["loss"] if out["loss"] is not None else 0.0)
+                peak = max(peak, out["peak_activation_bytes"])
         if self.zero_stage is None:
             self.pipe.sync_gradients()  # tied embedding, then one all-reduce over dp
         else:
-            self._sum_tied_shards()  # ZeRO already averaged over dp, unit by unit
+            for w in self.wrapped:
+                w.reduce_gradients()  # ZeRO 0-1: once per step, unit by unit
+            self._sum_tied_shards()  # ZeRO averaged over dp, unit by unit
         # the loss lives on the last stage: send it along the pipe
         t = torch.tensor([sum(losses) / k], dtype=torch.float64, device=self.device)
         if self.pp.size > 1:

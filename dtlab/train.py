@@ -640,6 +640,13 @@ class _ZeroStrategy(_DataParallel):
             self.model.parameters(), cfg.lr, cfg.weight_decay, cfg.betas
         )
 
+    def no_sync(self):
+        # stages 0-1 hold the full gradient anyway: accumulate, reduce once per
+        # step; stages 2-3 reduce-scatter after every micro-batch (dtlab.zero)
+        if self.stage <= 1:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
     def finish_gradient_synchronization(self):
         self.model.finish_gradient_synchronization()
 

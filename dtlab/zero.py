@@ -22,6 +22,13 @@ Communication per step (§7): an all-reduce is a reduce-scatter plus an all-gath
 2Ψ; stages 1 and 2 do exactly those two, also 2Ψ; stage 3 gathers the weights twice,
 3Ψ. :func:`dtlab.estimate.zero_comm_per_step` has the numbers, the tests check them.
 
+Gradient accumulation (several backward passes per optimizer step): stages 0 and 1
+keep the full gradient anyway, so under :meth:`FullyShardedDataParallel.no_sync`
+they add each micro-batch's gradient into it and communicate once per step, like
+DDP. Stages 2 and 3 exist to *not* hold the full gradient, so they reduce-scatter
+after every backward and add the slices; ``no_sync`` refuses them (DeepSpeed's
+engine refuses it for its stages 2 and 3 too).
+
 Two drop-ins, with PyTorch's shapes:
 
 - :class:`ShardedOptimizer` (stage 1 alone, like ``ZeroRedundancyOptimizer``): wraps
@@ -41,6 +48,7 @@ the whole, so the sharded update equals the unsharded one bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from contextlib import nullcontext
@@ -49,7 +57,10 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from dtlab import comm, memory
 
@@ -307,6 +318,9 @@ class FullyShardedDataParallel(nn.Module):
         self._fwd_order: list[_Unit] = []
         self._last_fwd_order: list[_Unit] = []
         self._dirty = False  # an optimizer stepped the shards since the last gather
+        # False under no_sync(): backward passes accumulate without communicating
+        self.require_backward_grad_sync = True
+        self._unsynced = False  # a bucket holds gradients not yet reduced
         self._install_hooks()
 
     # ---- construction ----------------------------------------------------------
@@ -428,9 +442,23 @@ class FullyShardedDataParallel(nn.Module):
                 self_._dirty = True
                 self_._drop_full_grads()  # stages 0-1: the step consumed them
 
+        def before_step(optimizer, args, kwargs):
+            self_ = me()
+            if self_ is None or not self_._unsynced:
+                return
+            if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
+                raise RuntimeError(
+                    "the optimizer would step with gradients that backward passes "
+                    "under no_sync() accumulated but nobody reduced: run the last "
+                    "micro-batch's backward outside no_sync(), or call "
+                    "reduce_gradients() before the step"
+                )
+
         # any torch optimizer (fused ones too) that steps our shards marks them dirty
         self._step_hook = register_optimizer_step_post_hook(after_step)
+        self._pre_step_hook = register_optimizer_step_pre_hook(before_step)
         weakref.finalize(self, self._step_hook.remove)
+        weakref.finalize(self, self._pre_step_hook.remove)
 
     # ---- what users see -------------------------------------------------------
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
@@ -665,7 +693,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def _drop_full_grads(self) -> None:
         """Stages 0-1 keep a unit's full gradient bucket (the module's ``.grad``)
-        from its reduction until the optimizer step, like DDP."""
+        from its reduction until the optimizer step, like DDP (and across the
+        micro-batches of a step under :meth:`no_sync`)."""
+        if self._unsynced:
+            return  # accumulating: the buckets hold this step's sum so far
         for u in self._units:
             if u.flat_grad is not None:
                 for _, p, _, _ in u.entries:
@@ -758,25 +789,75 @@ class FullyShardedDataParallel(nn.Module):
 
         return hook
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients without communicating; the
+        first backward outside (or :meth:`reduce_gradients`) reduces the sum once.
+        Stages 0 and 1 only: they hold the full gradient anyway. Stages 2 and 3
+        reduce-scatter every backward, since keeping the full gradient across
+        micro-batches would undo their saving."""
+        if self.stage >= 2:
+            raise RuntimeError(
+                f"no_sync() needs ZeRO stage 0 or 1: stage {self.stage} shards the "
+                "gradients, so it reduce-scatters after every backward and adds the "
+                "slices (accumulating full gradients would undo its memory saving)"
+            )
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce what backward passes under :meth:`no_sync` accumulated, now (a
+        pipeline runs every micro-batch's backward under ``no_sync`` and calls this
+        once after its last flush). Blocks until the shards' gradients are set."""
+        if not self._unsynced:
+            return
+        for u in self._units:
+            if u.flat_grad is not None and u.shard is not None:
+                self._launch(u, u.flat_grad)
+        self._drain(block=True)
+        self._unsynced = False
+        memory.current().update()
+
     @torch.no_grad()
     def _reduce(self, u: _Unit) -> None:
         """Stage 2/3: the unit's gradients are complete: copy them into one flat
-        bucket, free them, start its reduce-scatter. Stages 0/1 keep the bucket."""
+        bucket, free them, start its reduce-scatter. Stages 0/1 keep the bucket
+        (the module's ``.grad`` are views of it) and, under :meth:`no_sync`, only
+        accumulate into it."""
         u.reduced = True
         if u.shard is None or u.n_grads == 0:
             return
-        flat = torch.zeros(u.padded, dtype=u.full.dtype, device=self.device)
+        flat = u.flat_grad  # stages 0-1: this step's bucket, if a backward filled it
+        if flat is None:
+            flat = torch.zeros(u.padded, dtype=u.full.dtype, device=self.device)
         for _, p, off, k in u.entries:
-            if p.grad is not None:
-                flat[off : off + k].copy_(p.grad.reshape(-1))
-            p.grad = None if self.stage >= 2 else flat[off : off + k].view(p.shape)
+            view = flat[off : off + k].view(p.shape)
+            if p.grad is None:
+                view.zero_()  # a fresh bucket is zero already; a kept one was cleared
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)  # (autograd adds into a kept view in place)
+            p.grad = None if self.stage >= 2 else view
         if self.stage == 3 and not (u is self._units[0] and self.keep_root_gathered):
             self._wait_gather(u)
             self._free_full(u)  # reshard: its backward is over
         if self.stage <= 1:
             u.flat_grad = flat  # full gradients stay: stage 1 shards states only
+            if not self.require_backward_grad_sync:
+                self._unsynced = True  # under no_sync: no communication now
+                return
+            self._unsynced = False
         else:
             self._buf(flat)
+        self._launch(u, flat)
+
+    def _launch(self, u: _Unit, flat: torch.Tensor) -> None:
+        """Start the unit's reduction (all-reduce for stage 0, reduce-scatter
+        otherwise); at most ``max_inflight`` are in flight."""
         if self.stage == 0:
             work = comm.all_reduce(
                 flat, group=self.process_group, async_op=True,

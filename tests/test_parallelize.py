@@ -101,6 +101,9 @@ OPTION_CASES = [
     (Layout(dp=2, pp=2), "ddp", dict(grad_accum_steps=2)),
     (Layout(tp=2, pp=2), "zero2", dict(grad_accum_steps=2)),
     (Layout(dp=2, tp=2), "zero3", dict(grad_accum_steps=2)),
+    # ZeRO-1 accumulates full gradients and reduces once per step (no_sync)
+    (Layout(dp=2, tp=2), "zero1", dict(grad_accum_steps=2)),
+    (Layout(dp=2, pp=2), "zero1", dict(grad_accum_steps=2, microbatches=2)),
     (Layout(dp=2, tp=2), "ddp", dict(sequence_parallel=True)),
     (Layout(tp=2, pp=2), "zero1", dict(sequence_parallel=True)),
     (Layout(dp=2, tp=2), "zero2", dict(grad_clip=0.05)),

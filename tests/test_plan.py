@@ -283,6 +283,9 @@ LAYOUTS_3D = {
     # ZeRO reduce-scatters after every (pipeline) micro-batch's backward
     "dp2-pp2-zero2": (Layout(dp=2, pp=2), "zero2", {"microbatches": 2}),
     "dp4-zero3-accum2": (Layout(dp=4), "zero3", {"grad_accum_steps": 2}),
+    # ZeRO-1 keeps full gradients: it accumulates them and reduces once per step
+    "dp2-pp2-zero1": (Layout(dp=2, pp=2), "zero1", {"microbatches": 2}),
+    "dp4-zero1-accum2": (Layout(dp=4), "zero1", {"grad_accum_steps": 2}),
     # 16-bit compute, fp32 master weights: DDP, ZeRO, tp and pp
     "dp4-bf16": (Layout(dp=4), "ddp", {"precision": "bf16"}),
     "dp4-zero2-bf16": (Layout(dp=4), "zero2", {"precision": "bf16"}),

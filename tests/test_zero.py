@@ -5,6 +5,7 @@ precision, CPU offload, gradient accumulation; sharded checkpoints and reshardin
 Everything runs on one 4-engine cluster; the 2-rank cases use a process group of
 ranks 0 and 1 (ranks 2 and 3 sit that run out), so no second cluster is started."""
 
+import contextlib
 import copy
 
 import pytest
@@ -34,9 +35,10 @@ def _group(n):
     return g if dist.get_rank() < n else None
 
 
-def _train(model, opt, group, steps=STEPS, start=0, micro=1):
+def _train(model, opt, group, steps=STEPS, start=0, micro=1, no_sync=False):
     """AdamW steps on this rank's slice of the global batch; returns the global mean
-    loss of each step (``micro`` > 1: gradient accumulation over micro-batches)."""
+    loss of each step (``micro`` > 1: gradient accumulation over micro-batches; with
+    ``no_sync``, all but the last backward under ``model.no_sync()``)."""
     from dtlab import comm
 
     r, n = comm.group_rank(group), comm.group_size(group)
@@ -45,9 +47,11 @@ def _train(model, opt, group, steps=STEPS, start=0, micro=1):
     for step in range(start, start + steps):
         x, y = data.shard(step, GLOBAL_BATCH, r, n)  # (B/n, T) each
         total = torch.zeros(())
-        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
-            _, loss = model(xm, ym)
-            (loss / micro).backward()
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            quiet = no_sync and i < micro - 1
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                _, loss = model(xm, ym)
+                (loss / micro).backward()
             total += loss.detach() / micro
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -56,7 +60,9 @@ def _train(model, opt, group, steps=STEPS, start=0, micro=1):
     return losses
 
 
-def _zero_run(group, stage, compute_dtype=None, offload=False, micro=1, **options):
+def _zero_run(
+    group, stage, compute_dtype=None, offload=False, micro=1, no_sync=False, **options
+):
     from dtlab import telemetry
     from dtlab.zero import FullyShardedDataParallel
 
@@ -66,18 +72,24 @@ def _zero_run(group, stage, compute_dtype=None, offload=False, micro=1, **option
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     rec = telemetry.Recorder()
     with telemetry.use(rec):
-        losses = _train(model, opt, group, micro=micro)
-    gathered = sum(
-        e["payload_bytes"]
-        for e in rec.events
-        if e["kind"] == "comm" and e["op"] == "all_gather"
-    )
+        losses = _train(model, opt, group, micro=micro, no_sync=no_sync)
+
+    def payload(*ops):  # the wrapper's own collectives (not _train's loss sum)
+        return sum(
+            e["payload_bytes"]
+            for e in rec.events
+            if e["kind"] == "comm" and e["op"] in ops
+            and str(e.get("tag")).startswith("zero")
+        )  # fmt: skip
+
+    gathered = payload("all_gather")
     return {
         "losses": losses,
         "params": model.gather_full_params(),
         "dtypes": {p.dtype for p in model.parameters()},
         "units": model.units,
         "gathered_per_step": gathered / STEPS,
+        "reduced_per_step": payload("reduce_scatter", "all_reduce") / STEPS,
     }
 
 
@@ -100,6 +112,11 @@ def _variants(n):
         "offload3_bf16": _zero_run(g, 3, torch.bfloat16, offload=True),
         "accum0": _zero_run(g, 0, micro=2),
         "accum3": _zero_run(g, 3, micro=2),
+        # stages 0-1 hold full gradients: accumulate them, reduce once per step
+        "plain1": _zero_run(g, 1),
+        "accum1": _zero_run(g, 1, micro=2),
+        "accum1_nosync": _zero_run(g, 1, micro=2, no_sync=True),
+        "accum0_nosync": _zero_run(g, 0, micro=2, no_sync=True),
         # FSDP2's habit for the root, no prefetch, and units picked by class
         "root_kept": _zero_run(g, 3, keep_root_gathered=True, prefetch=False),
         "by_class": _zero_run(g, 3, units=(CausalSelfAttention, MLP)),
@@ -238,6 +255,22 @@ def _bad_input():
             make()
         except ValueError as exc:
             msgs[key] = str(exc)
+    try:
+        with FullyShardedDataParallel(GPT(CFG), stage=2).no_sync():
+            pass
+    except RuntimeError as exc:
+        msgs["no_sync2"] = str(exc)
+    model = FullyShardedDataParallel(GPT(CFG), stage=1)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    with model.no_sync():
+        x, y = SyntheticTokens(CFG.vocab_size, CFG.seq_len).batch(0, 2)
+        model(x, y)[1].backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        msgs["unreduced"] = str(exc)
+    model.reduce_gradients()  # what the message asks for: then the step runs
+    msgs["stepped"] = opt.step() is None
     return msgs
 
 
@@ -370,6 +403,16 @@ def test_offload_and_accumulation_change_nothing_but_where_bytes_live(cluster):
     assert out["accum3"]["losses"] == out["accum0"]["losses"]
     _assert_params_equal(out["accum3"]["params"], out["accum0"]["params"])
     assert out["accum0"]["losses"] == pytest.approx(out["plain2"]["losses"], rel=1e-5)
+    # no_sync: the same training (the sum is reduced once instead of added after
+    # each reduction, another order of the same additions) for half the traffic
+    for stage in (0, 1):
+        quiet, loud = out[f"accum{stage}_nosync"], out[f"accum{stage}"]
+        assert quiet["losses"] == pytest.approx(loud["losses"], rel=1e-6)
+        # Adam divides by sqrt(v): a last-bit difference in a near-zero gradient can
+        # move that weight a few 1e-6 after 3 steps of lr 1e-2 (weights move ~3e-2)
+        assert _max_diff(quiet["params"], loud["params"]) < 2e-5
+        assert loud["reduced_per_step"] == 2 * quiet["reduced_per_step"]
+    assert out["accum1_nosync"]["reduced_per_step"] == out["plain1"]["reduced_per_step"]
     # the options of stage 3 change what moves when, not the numbers
     for name in ("root_kept", "by_class"):
         assert out[name]["losses"] == pytest.approx(out["plain2"]["losses"], rel=1e-6)
@@ -400,3 +443,6 @@ def test_bad_input_is_named(cluster):
     assert "shared by two units" in msgs["tied"]
     assert "element-wise" in msgs["lbfgs"]
     assert "torch.optim.Optimizer class" in msgs["not_cls"]
+    assert "needs ZeRO stage 0 or 1" in msgs["no_sync2"]
+    assert "reduce_gradients()" in msgs["unreduced"]
+    assert msgs["stepped"]
