@@ -308,6 +308,18 @@ def test_a_resumed_composed_run_continues_bit_for_bit(lab_cluster):
             assert resumed == whole[2:], key  # fp32 on gloo: the same bits
 
 
+@pytest.mark.cluster
+@pytest.mark.slow  # 9 steps on 8 engines
+def test_a_resumed_3d_run_continues_bit_for_bit(lab_cluster):
+    # all three axes > 1, ZeRO-1 slices over dp, the fp16 loss scaler's state
+    case = [(Layout(dp=2, tp=2, pp=2), "zero1", "fp16")]
+    results = lab_cluster(8).run(_stop_and_resume, case, timeout=300)
+    for out in results:
+        ((whole, resumed, steps),) = out.values()
+        assert steps == [2, 3]
+        assert resumed == whole[2:]
+
+
 def test_a_state_from_another_config_or_rank_is_refused():
     from dtlab.train import Trainer
 
