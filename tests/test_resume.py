@@ -8,10 +8,11 @@ data (a pure function of the step), so the resumed losses are ``==`` the
 uninterrupted ones. Covered on 4 ranks: DDP, ZeRO 1-3, TP (with sequence
 parallelism) under ZeRO-3, PP (1F1B) in bf16, TP x PP in fp16, and each precision
 policy. (A layout with all three axes > 1 needs 8 ranks: tests/test_parallelize.py
-resumes dp2·tp2·pp2 with ZeRO-1 in fp16 on its 8-engine cluster.) A checkpoint written at one world size loads
-at another where the state allows: ZeRO slices are re-cut (the flat layout of a
-unit does not depend on the number of ranks) and a DDP replica fits any world; a
-tensor- or pipeline-parallel state is refused elsewhere with a clear message.
+resumes dp2·tp2·pp2 with ZeRO-1 in fp16 on its 8-engine cluster.) A checkpoint
+written at one world size loads at another where the state allows: ZeRO slices are
+re-cut (the flat layout of a unit does not depend on the number of ranks) and a DDP
+replica fits any world; a tensor- or pipeline-parallel state is refused elsewhere
+with a clear message.
 """
 
 import os

@@ -1,0 +1,211 @@
+"""The analytic model: memory per device, bytes on the wire, time per step and per run.
+
+Taught in chapter 00 (why distribute) and used by every later chapter to put a
+prediction next to each measurement; it also answers questions for models far larger
+than this machine ("does 70B fit on 8 x 80 GB with ZeRO-3?"). Chapter 09 assembles
+the formulas into a planner: :func:`layout_memory` and :func:`layout_traffic` for one
+dp x tp x pp (x cp x ep) layout, :func:`layout_step_time` for its step, and
+:func:`plan` for every layout of a cluster.
+
+Sources, cited where each formula appears:
+
+- ZeRO: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models" (SC20). §3: model states of mixed-precision Adam are
+  2Ψ + 2Ψ + KΨ bytes with K = 12; §5: what each stage divides by N_d.
+- Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", §4 and Table 2.
+- Collectives: the ring algorithm's traffic (Patarasuk & Yuan 2009) and nccl-tests'
+  bus bandwidth (``doc/PERFORMANCE.md`` in NVIDIA/nccl-tests).
+- Time: the 6·N·D training FLOPs rule (Kaplan et al. 2020, §2.1) and model FLOPs
+  utilisation, MFU (Chowdhery et al. 2022, PaLM, Appendix B).
+
+Units: bytes, seconds, FLOP/s. "GB" in docstrings means 10^9 bytes, as in the ZeRO
+paper (7.5B parameters x 16 bytes = 120 GB).
+
+The formulas live in submodules, each importing only from those listed before
+it: ``states`` (bytes per parameter, ZeRO's stages, ``GB``), ``activations``
+(Korthikanti), ``models`` (parameter counts, presets, ``model_spec``), ``hardware``
+(GPUs, memory per device), ``collectives`` (bytes on the wire, the α-β model;
+chapter 01), ``training_time`` (6·N·D), ``data_parallel`` (DDP; chapter 02),
+``pipeline`` (bubble, schedules; chapter 05), ``tensor_parallel`` (Megatron;
+chapter 04), ``zero`` (what dtlab.zero holds and sends; chapter 03), ``layouts``
+(memory and traffic of a dp x tp x pp x cp x ep layout; chapter 09),
+``techniques`` (recomputation, offload; chapter 08), ``serving`` (weights, KV
+cache; chapter 09) and ``planner`` (step time, :func:`plan`; chapter 09). Every
+name, private helpers included, is re-exported here: ``from dtlab.estimate import
+X`` works whichever submodule defines X.
+"""
+
+# Every name of the old single module is re-exported, the private helpers too
+# (code written against it may reach them), so no import here is unused.
+# ruff: noqa: F401
+
+from __future__ import annotations
+
+from dtlab.estimate.activations import (
+    RECOMPUTE,
+    activation_bytes,
+    activation_bytes_per_layer,
+)
+from dtlab.estimate.collectives import (
+    COLLECTIVES,
+    AlphaBeta,
+    _check_collective,
+    bus_bandwidth,
+    bus_bandwidth_factor,
+    collective_time,
+    fit_alpha_beta,
+    latency_steps,
+    wire_bytes,
+)
+from dtlab.estimate.data_parallel import (
+    ddp_bucket_assignment,
+    ddp_bytes_per_step,
+    ddp_overlap,
+)
+from dtlab.estimate.hardware import (
+    GPU,
+    GPUS,
+    memory_per_device,
+)
+from dtlab.estimate.layouts import (
+    Parallelism,
+    _check_count,
+    _dense_count,
+    _padded_count,
+    _schedule_key,
+    _stage_layers,
+    _stage_memory,
+    _stage_traffic,
+    _state_precision,
+    _value_bytes,
+    as_parallelism,
+    layout_memory,
+    layout_traffic,
+    stage_params,
+)
+from dtlab.estimate.models import (
+    _CUSTOM_ALIASES,
+    MODELS,
+    MOE_MODELS,
+    ModelPreset,
+    _check_spec,
+    _layer_params,
+    _mlp_params,
+    model_params,
+    model_spec,
+)
+from dtlab.estimate.pipeline import (
+    PIPELINE_SCHEDULES,
+    _check_pipeline,
+    pipeline_bubble_fraction,
+    pipeline_bubble_ratio,
+    pipeline_in_flight,
+    pipeline_step_time,
+)
+from dtlab.estimate.planner import (
+    ClusterSpec,
+    Plan,
+    PlanRow,
+    _divisors,
+    _flops_d_ff,
+    _price,
+    _why_not,
+    layout_step_time,
+    plan,
+)
+from dtlab.estimate.serving import (
+    kv_cache_bytes,
+    serving_memory,
+)
+from dtlab.estimate.states import (
+    _OPTIMIZER_ALIASES,
+    _PRECISION_ALIASES,
+    GB,
+    OPTIMIZERS,
+    PRECISIONS,
+    BytesPerParam,
+    _norm_choice,
+    bytes_per_param,
+    zero_memory_per_device,
+)
+from dtlab.estimate.techniques import (
+    offload_bytes_per_step,
+    recompute_overhead,
+)
+from dtlab.estimate.tensor_parallel import (
+    LINKS,
+    Link,
+    tp_bytes_per_layer,
+    tp_collectives_per_layer,
+    tp_layer_flops,
+    tp_params_per_rank,
+    tp_step_time,
+)
+from dtlab.estimate.training_time import (
+    train_time,
+    training_flops,
+)
+from dtlab.estimate.zero import (
+    zero_comm_per_step,
+    zero_states_per_rank,
+)
+
+__all__ = [
+    "BytesPerParam",
+    "bytes_per_param",
+    "zero_memory_per_device",
+    "activation_bytes_per_layer",
+    "activation_bytes",
+    "model_params",
+    "ModelPreset",
+    "MODELS",
+    "GPU",
+    "GPUS",
+    "memory_per_device",
+    "COLLECTIVES",
+    "wire_bytes",
+    "latency_steps",
+    "bus_bandwidth_factor",
+    "bus_bandwidth",
+    "collective_time",
+    "AlphaBeta",
+    "fit_alpha_beta",
+    "training_flops",
+    "train_time",
+    "GB",
+    "ddp_bytes_per_step",
+    "ddp_bucket_assignment",
+    "ddp_overlap",
+    "pipeline_bubble_fraction",
+    "pipeline_bubble_ratio",
+    "pipeline_step_time",
+    "pipeline_in_flight",
+    "Link",
+    "tp_collectives_per_layer",
+    "tp_bytes_per_layer",
+    "tp_layer_flops",
+    "tp_step_time",
+    "tp_params_per_rank",
+    "zero_states_per_rank",
+    "zero_comm_per_step",
+    "PRECISIONS",
+    "OPTIMIZERS",
+    "RECOMPUTE",
+    "PIPELINE_SCHEDULES",
+    "LINKS",
+    "MOE_MODELS",
+    "Parallelism",
+    "as_parallelism",
+    "model_spec",
+    "stage_params",
+    "layout_memory",
+    "layout_traffic",
+    "kv_cache_bytes",
+    "serving_memory",
+    "ClusterSpec",
+    "PlanRow",
+    "Plan",
+    "layout_step_time",
+    "plan",
+]

@@ -1,0 +1,105 @@
+"""ZeRO: what ``dtlab.zero`` holds and sends per rank.
+
+The model-state bytes one rank holds (on the device and, with offload, on the
+host) and the communication of one ZeRO-DP step.
+
+Taught in chapter 03 (ZeRO); chapter 09's layouts build on it.
+"""
+
+from __future__ import annotations
+
+from dtlab.estimate.collectives import wire_bytes
+from dtlab.estimate.states import (
+    _PRECISION_ALIASES,
+    PRECISIONS,
+    _norm_choice,
+    bytes_per_param,
+    zero_memory_per_device,
+)
+
+
+# ---- ZeRO: what dtlab.zero holds and sends per rank (chapter 03) ---------------------
+def zero_states_per_rank(
+    n_params: float,
+    world_size: int,
+    stage: int,
+    precision: str = "mixed",
+    optimizer: str = "adam",
+    *,
+    offload: bool = False,
+) -> dict[str, float]:
+    """Model-state bytes one rank of :class:`dtlab.zero.FullyShardedDataParallel`
+    holds at the end of a backward pass: :func:`zero_memory_per_device` (ZeRO §5.1),
+    plus the one thing a plain torch optimizer adds, split into device and host.
+
+    A torch optimizer steps a tensor with a ``.grad`` of its own dtype, so when the
+    master weights differ from the compute weights (``"mixed"``, or any ``offload``)
+    the optimizer reads a *master-precision gradient slice* of ``4Ψ/N_s`` bytes
+    (``N_s`` = N from stage 1 on, 1 at stage 0), where the paper counts the 2-byte
+    gradient. FSDP2 does the same. Everything else is the paper's: params and the
+    optimizer's K (master copy included) agree exactly.
+
+    ``offload=True`` (ZeRO-Offload, Ren et al. 2021): the master slice, its
+    gradient and the optimizer state are on the host (``host_*`` keys); the device
+    keeps the compute weights and, at stages 0-1, the full gradients.
+    Returns ``params, grads, optimizer, total`` (device) and ``host_params,
+    host_grads, host_optimizer, host``.
+    """
+    paper = zero_memory_per_device(n_params, world_size, stage, precision, optimizer)
+    precision = _norm_choice(precision, PRECISIONS, _PRECISION_ALIASES, "precision")
+    b = bytes_per_param(precision, optimizer)
+    n_s = world_size if stage >= 1 else 1
+    master_bytes = 2 if precision == "bf16" else 4
+    separate = precision == "mixed" or bool(offload)
+    # the optimizer's own states (momentum, variance): K without the master copy
+    states = (b.optimizer - (4 if precision == "mixed" else 0)) * n_params / n_s
+    master = master_bytes * n_params / n_s if separate else 0.0
+    full_grads = b.grads * n_params if stage <= 1 else 0.0
+    # without a separate master, stages 0-1 step a view of the full gradients
+    grad_slice = master_bytes * n_params / n_s if (separate or stage >= 2) else 0.0
+    out = {"params": paper["params"], "host_params": 0.0}
+    if offload:
+        out.update(grads=full_grads, optimizer=0.0)
+        out.update(host_grads=grad_slice, host_optimizer=states + master)
+    else:
+        out.update(grads=full_grads + grad_slice, optimizer=states + master)
+        out.update(host_grads=0.0, host_optimizer=0.0)
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    out["host"] = out["host_params"] + out["host_grads"] + out["host_optimizer"]
+    return out
+
+
+def zero_comm_per_step(
+    n_params: float, world_size: int, stage: int, bytes_per_value: float = 2
+) -> dict[str, float]:
+    """Communication of one ZeRO-DP step per rank (ZeRO §7.2).
+
+    Payload S = Ψ · ``bytes_per_value``: stage 0 all-reduces the gradients (S);
+    stages 1-2 reduce-scatter the gradients and all-gather the updated parameters
+    (S + S); stage 3 all-gathers the parameters before forward and again before
+    backward and reduce-scatters the gradients (2S + S). Under the ring algorithm
+    an all-reduce sends as much as a reduce-scatter plus an all-gather, so the wire
+    bytes are ``2(N-1)/N · S`` for stages 0-2 and ``3(N-1)/N · S`` for stage 3: the
+    paper's 2Ψ and 3Ψ (``psi_multiple``), ZeRO-3's 1.5x.
+
+    Returns the payload bytes per op (``all_reduce``, ``reduce_scatter``,
+    ``all_gather``), ``payload`` and ``wire`` totals, and ``psi_multiple``.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"unknown ZeRO stage {stage!r}: expected 0, 1, 2 or 3")
+    if n_params < 0 or bytes_per_value <= 0:
+        raise ValueError("n_params must be >= 0 and bytes_per_value positive")
+    S = n_params * bytes_per_value
+    ops = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    if stage == 0:
+        ops["all_reduce"] = S
+    else:
+        ops["reduce_scatter"] = S
+        ops["all_gather"] = 2 * S if stage == 3 else S
+    wire = sum(wire_bytes(op, s, world_size) for op, s in ops.items())
+    return {
+        **ops,
+        "payload": sum(ops.values()),
+        "wire": wire,
+        "psi_multiple": 3 if stage == 3 else 2,
+    }
