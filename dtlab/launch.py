@@ -76,6 +76,7 @@ def init_process_group(
     store_file: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     device: int | None = None,
+    single_host: bool = True,
 ) -> None:
     """Join a world of ``world_size`` ranks as ``rank``.
 
@@ -83,6 +84,9 @@ def init_process_group(
     that path (one host, or a shared filesystem; the path must be fresh for each new
     world). Without it, the ``env://`` variables decide (``MASTER_ADDR`` etc., as
     torchrun sets them). ``device`` selects the CUDA device for nccl.
+    ``single_host``: the ranks of a file-store world all run on this machine, so
+    gloo is pinned to loopback; ``False`` when they span machines (gloo then uses
+    ``GLOO_SOCKET_IFNAME``, or the interface this host's name resolves to).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
@@ -99,7 +103,8 @@ def init_process_group(
         timeout=datetime.timedelta(seconds=timeout),
     )
     if store_file is not None:
-        single_host_env()
+        if single_host:
+            single_host_env()
         kwargs["store"] = dist.FileStore(store_file, world_size)
     else:
         kwargs["init_method"] = "env://"

@@ -18,6 +18,8 @@
 #   DTLAB_REMOTE_PYTHON  the Python with dtlab installed on the nodes (default: this
 #                        kernel's interpreter, the same path on a shared disk).
 #   DTLAB_IFNAME         network interface for torch.distributed on the nodes.
+#   DTLAB_STORE_DIR      a folder every host sees at the same path (shared disk):
+#                        where the torch.distributed world meets (read by start()).
 #
 #   from dtlab.lab import start
 #   cluster = start(world_size=16, profile_dir="cluster/slurm", backend="nccl")

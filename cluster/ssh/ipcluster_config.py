@@ -18,6 +18,8 @@
 #                        this kernel's interpreter, the same path on a shared disk).
 #   DTLAB_IFNAME         network interface for torch.distributed on the GPU hosts
 #                        (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), e.g. "ib0".
+#   DTLAB_STORE_DIR      a folder every host sees at the same path (shared disk):
+#                        where the torch.distributed world meets (read by start()).
 #
 #   from dtlab.lab import start
 #   cluster = start(world_size=16, profile_dir="cluster/ssh", backend="nccl")

@@ -42,6 +42,14 @@ How failures surface:
 Everything listens on loopback only: the ipyparallel controller is bound to
 127.0.0.1, and the torch.distributed rendezvous is a file store (torch's TCPStore
 would listen on every interface).
+
+Engines on several machines (the ``cluster/ssh`` and ``cluster/slurm`` profiles):
+each engine reports its host, pid and GPUs before the world forms. Ranks get the
+GPUs of their own host in rank order; the rendezvous file goes into ``store_dir``
+(or ``$DTLAB_STORE_DIR``), a folder every host sees at the same path (a shared
+filesystem), so nothing listens for it; gloo uses the profile's interface instead
+of loopback; engines of other hosts are watched through ipyparallel's heartbeat and
+signalled through its control channel, never by a pid of this machine.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import secrets
 import shutil
 import signal
 import tempfile
@@ -71,15 +80,26 @@ class EngineDied(RuntimeError):
     """An engine process exited while the cluster was using it."""
 
 
-def max_cpu_world_size() -> int:
-    """How many CPU engines this machine can give: engines may outnumber cores (each
-    runs one torch thread, and chapter 07 runs 8 on 2 cores), but not by far."""
-    return max(8, 4 * (os.cpu_count() or 1))
+def max_cpu_world_size(cpus: int | None = None) -> int:
+    """How many CPU engines a machine of ``cpus`` cores (this one by default) can
+    give: engines may outnumber cores (each runs one torch thread, and chapter 07
+    runs 8 on 2 cores), but not by far."""
+    return max(8, 4 * (cpus or os.cpu_count() or 1))
 
 
 class LabCluster:
     """A local (or profile-launched) ipyparallel cluster with a torch.distributed
-    world over its engines. Usable as a context manager; stopped at exit."""
+    world over its engines. Usable as a context manager; stopped at exit.
+
+    ``world_size``: engines (ranks); by default one per GPU, or 4 CPU engines.
+    ``backend``: ``"gloo"``, ``"nccl"`` or ``"auto"`` (nccl when every engine sees a
+    GPU). ``timeout``: the process group's collective timeout in seconds.
+    ``profile_dir``: an ipyparallel profile deciding where the controller and the
+    engines run (``cluster/local``, ``cluster/ssh``, ``cluster/slurm``).
+    ``store_dir`` (or ``$DTLAB_STORE_DIR``): a folder every engine's host sees at
+    the same path, for the rendezvous of a world that spans machines.
+    ``check_collectives``: torch's collective checker on every group (see above).
+    """
 
     def __init__(
         self,
@@ -93,15 +113,27 @@ class LabCluster:
         heartbeat_ms: int = 500,
         profile_dir: str | os.PathLike | None = None,
         check_collectives: bool = False,
+        store_dir: str | os.PathLike | None = None,
     ):
         import torch
 
+        if profile_dir is not None and not os.path.isdir(profile_dir):
+            raise ValueError(f"no ipyparallel profile folder at {profile_dir!r}")
+        # without a profile the engines are this machine's processes: check now
+        # what it can give; a profile's engines may run elsewhere, so their GPUs and
+        # cores are checked once they report (see _place)
+        here = profile_dir is None
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if backend == "auto":
+        if backend == "auto" and here:
             backend = "nccl" if gpus else "gloo"
-        if backend not in ("gloo", "nccl"):
+        if backend not in ("gloo", "nccl", "auto"):
             raise ValueError(
                 f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}"
+            )
+        if world_size is None and not here:
+            raise ValueError(
+                "with a profile, give world_size: the engines' machines decide "
+                "how many GPUs there are, not this one"
             )
         if world_size is None:
             world_size = gpus if backend == "nccl" else 4
@@ -113,7 +145,7 @@ class LabCluster:
             raise ValueError(
                 f"world_size must be a positive integer, got {world_size!r}"
             )
-        if backend == "nccl":
+        if backend == "nccl" and here:
             if not gpus:
                 raise ValueError(
                     "backend 'nccl' needs GPUs, and this machine has none: "
@@ -124,7 +156,7 @@ class LabCluster:
                     f"world_size={world_size} needs one GPU per engine, but "
                     f"{gpus} are visible: use world_size <= {gpus}, or backend='gloo'"
                 )
-        elif engines == "local" and world_size > max_cpu_world_size():
+        elif here and engines == "local" and world_size > max_cpu_world_size():
             raise ValueError(
                 f"world_size={world_size} CPU engines is more than this machine can "
                 f"run ({os.cpu_count()} cores): use at most {max_cpu_world_size()}"
@@ -139,14 +171,23 @@ class LabCluster:
         # torch's collective checker on every group (TORCH_DISTRIBUTED_DEBUG=DETAIL):
         # mismatched collectives become clean errors, for ~ms per collective
         self.check_collectives = bool(check_collectives)
-        if profile_dir is not None and not os.path.isdir(profile_dir):
-            raise ValueError(f"no ipyparallel profile folder at {profile_dir!r}")
         self.profile_dir = os.path.abspath(profile_dir) if profile_dir else None
+        # where the rendezvous file goes when the engines span machines
+        store_dir = store_dir or os.environ.get("DTLAB_STORE_DIR") or None
+        if store_dir is not None and not os.path.isdir(store_dir):
+            raise ValueError(
+                f"store_dir {str(store_dir)!r} is not a folder: give one that every "
+                "engine's machine sees at the same path (a shared filesystem)"
+            )
+        self.store_dir = os.path.abspath(store_dir) if store_dir else None
         self._cluster = None
         self.client = None
         self.view = None
         self.rank_to_engine: dict[int, int] = {}
-        self.pids: dict[int, int] = {}
+        self.pids: dict[int, int] = {}  # each engine's pid, on its own host
+        self.hosts: dict[int, str] = {}  # each rank's host name
+        self.devices: dict[int, int | None] = {}  # nccl: each rank's GPU, per host
+        self.single_host = True
         self.generation = 0
         self._needs_reset = False
         self._tmp = None
@@ -195,8 +236,10 @@ class LabCluster:
             self.view.use_cloudpickle()
             # explicit rank map: sorted engine ids -> ranks 0..N-1
             self.rank_to_engine = dict(enumerate(ids))
-            pids = self.view.apply_async(os.getpid).get(timeout=self.start_timeout)
-            self.pids = dict(enumerate(pids))
+            where = self.view.apply_async(_engine.whereami).get(
+                timeout=self.start_timeout
+            )
+            self._place(where)
             # the first setup also imports torch on every engine: on a busy machine
             # that alone takes tens of seconds, so it gets the start-up budget
             self._init_world(wait=self.start_timeout + self.timeout)
@@ -206,16 +249,98 @@ class LabCluster:
         self.start_seconds = time.perf_counter() - t0
         return self
 
+    def _place(self, where: list[dict]) -> None:
+        """From what each engine reported (pid, host, cores, GPUs): which ranks run
+        on this machine, each rank's GPU, the backend ``"auto"`` stands for, and
+        whether the world spans machines (then the rendezvous needs
+        ``store_dir``). Raises ``ValueError`` for what the machines cannot give.
+
+        Engines of one host that see the same GPUs (the ssh profile, a local
+        start) take them in rank order: device 0, 1, ... Engines that each see
+        their own (Slurm's ``--gpus-per-task=1`` sets ``CUDA_VISIBLE_DEVICES`` per
+        task) each take their device 0."""
+        self.pids = {r: w["pid"] for r, w in enumerate(where)}
+        self.hosts = {r: w["host"] for r, w in enumerate(where)}
+        self._here = os.uname().nodename
+        self.single_host = set(self.hosts.values()) == {self._here}
+        if self.backend == "auto":
+            self.backend = "nccl" if all(w["gpus"] for w in where) else "gloo"
+        by_host: dict[str, list[int]] = {}
+        by_view: dict[tuple, list[int]] = {}  # engines sharing one set of GPUs
+        for r, w in enumerate(where):
+            by_host.setdefault(w["host"], []).append(r)
+            by_view.setdefault((w["host"], w.get("visible")), []).append(r)
+        self.devices = {}
+        for (host, visible), ranks in by_view.items():
+            gpus = where[ranks[0]]["gpus"]
+            if self.backend == "nccl" and len(ranks) > gpus:
+                seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""
+                raise ValueError(
+                    f"host {host} runs {len(ranks)} engines (ranks {ranks}) that "
+                    f"share {gpus} GPUs{seen}: nccl needs one GPU per engine; ask "
+                    "for fewer engines per host, or use backend='gloo'"
+                )
+            for i, r in enumerate(ranks):  # rank order among those engines
+                self.devices[r] = i if self.backend == "nccl" else None
+        for host, ranks in by_host.items():
+            cpus = where[ranks[0]]["cpus"]
+            if self.backend == "gloo" and len(ranks) > max_cpu_world_size(cpus):
+                raise ValueError(
+                    f"host {host} runs {len(ranks)} CPU engines on {cpus} cores: "
+                    f"use at most {max_cpu_world_size(cpus)} per host"
+                )
+        if not self.single_host and self.store_dir is None:
+            raise ValueError(
+                f"the engines run on {sorted(by_host)}, not only on this machine "
+                f"({self._here}): their rendezvous file must be on a filesystem "
+                "they all share. Pass store_dir='/shared/folder' (or set "
+                "DTLAB_STORE_DIR), the same path on every host"
+            )
+        self._token = secrets.token_hex(8)
+
+    def _store_file(self) -> str:
+        if self.single_host:
+            return os.path.join(self._tmp, f"store-{self.generation}")
+        return os.path.join(
+            self.store_dir, f"dtlab-{self._token}", f"store-{self.generation}"
+        )
+
+    def _local_pids(self) -> dict[int, int]:
+        """Rank -> pid for the engines of this machine (only those can be watched
+        and signalled by pid here)."""
+        here = getattr(self, "_here", None) or os.uname().nodename
+        return {r: p for r, p in self.pids.items() if self.hosts.get(r) == here}
+
+    def signal(self, ranks, signum: int) -> None:
+        """Send ``signum`` to the engines of ``ranks``: by pid on this machine,
+        through ipyparallel's control channel (which the engine serves even while
+        its code runs) on another."""
+        local = self._local_pids()
+        remote = []
+        for r in ranks:
+            if r in local:
+                try:
+                    os.kill(local[r], signum)
+                except ProcessLookupError:
+                    pass
+            elif r in self.rank_to_engine:
+                remote.append(self.rank_to_engine[r])
+        if remote and self.client is not None:
+            try:
+                self.client.send_signal(int(signum), targets=remote, block=False)
+            except Exception:  # noqa: BLE001 - a dead engine: the heartbeat says so
+                pass
+
     def _init_world(self, wait: float | None = None) -> None:
         """(Re)create the torch.distributed world on every engine."""
-        import torch
-
         self.generation += 1
-        store_file = os.path.join(self._tmp, f"store-{self.generation}")
-        gpus = torch.cuda.device_count() if self.backend == "nccl" else 0
+        store_file = self._store_file()
         pending = []
         for rank, eid in self.rank_to_engine.items():
-            device = rank % gpus if gpus else None
+            # the pids of the engines sharing this rank's host
+            peers = [
+                p for r, p in self.pids.items() if self.hosts[r] == self.hosts[rank]
+            ]
             pending.append(
                 self.client[eid].apply_async(
                     _engine.setup,
@@ -224,11 +349,12 @@ class LabCluster:
                     self.backend,
                     store_file,
                     self.timeout,
-                    device,
+                    self.devices.get(rank),
                     self.generation,
-                    list(self.pids.values()),
+                    peers,
                     self._board_file(rank),
                     self.check_collectives,
+                    self.single_host,
                 )
             )
         self._wait(
@@ -278,9 +404,13 @@ class LabCluster:
                 cluster.stop_cluster_sync()
             except Exception:  # noqa: BLE001
                 pass
-        for pid in self.pids.values():  # whatever the launcher missed
+        for pid in self._local_pids().values():  # whatever the launcher missed
             _kill(pid)
-        self.pids = {}
+        if not self.single_host and self.store_dir and getattr(self, "_token", None):
+            shutil.rmtree(
+                os.path.join(self.store_dir, f"dtlab-{self._token}"), ignore_errors=True
+            )
+        self.pids, self.hosts = {}, {}
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -473,7 +603,7 @@ class LabCluster:
                 self._needs_reset = True
                 raise EngineDied(
                     f"rank {rank}'s engine died during {what}: {exc}; "
-                    "call cluster.restart()"
+                    f"{self._how_it_ended(rank)}; call cluster.restart()"
                 ) from None
         if errors and any(
             getattr(exc, "ename", "") == "EngineError" for _, exc in errors
@@ -486,7 +616,7 @@ class LabCluster:
             self._needs_reset = True
             raise EngineDied(
                 f"rank {rank}'s engine died during {what}: "
-                f"{self._exit_reason(self.pids[rank])}; call cluster.restart()"
+                f"{self._how_it_ended(rank)}; call cluster.restart()"
                 f"{self._doing_lines()}"
             )
         if errors:
@@ -504,7 +634,7 @@ class LabCluster:
             while time.monotonic() < deadline:
                 if all(ar.ready() for ar in pending):
                     break
-                if any(not _alive(pid) for pid in self.pids.values()):
+                if any(not _alive(pid) for pid in self._local_pids().values()):
                     break
                 next(ar for ar in pending if not ar.ready()).wait(0.05)
         except KeyboardInterrupt:  # pressed Stop again: stop waiting
@@ -512,7 +642,7 @@ class LabCluster:
         return [r for r, ar in enumerate(pending) if not ar.ready()]
 
     def _after_interrupt(self, still: list[int]) -> str:
-        dead = [r for r, pid in self.pids.items() if not _alive(pid)]
+        dead = [r for r, pid in self._local_pids().items() if not _alive(pid)]
         if dead:
             return f"the engines of ranks {dead} are gone: call cluster.restart()"
         if still:
@@ -559,10 +689,11 @@ class LabCluster:
         """Raise EngineDied if an engine process is gone; ``wait`` seconds for a
         process that ipyparallel already reported dead to finish exiting."""
         deadline = time.monotonic() + wait
-        dead = [r for r, pid in self.pids.items() if not _alive(pid)]
+        local = self._local_pids()  # another host's engines: ipyparallel's heartbeat
+        dead = [r for r, pid in local.items() if not _alive(pid)]
         while not dead and time.monotonic() < deadline:
             time.sleep(0.05)
-            dead = [r for r, pid in self.pids.items() if not _alive(pid)]
+            dead = [r for r, pid in local.items() if not _alive(pid)]
         if dead:
             self._needs_reset = True
             how = "".join(
@@ -575,6 +706,14 @@ class LabCluster:
                 f"{', '.join(str(self.pids[r]) for r in dead)}) is gone; "
                 f"call cluster.restart() for new engines{how}{self._doing_lines()}"
             )
+
+    def _how_it_ended(self, rank: int) -> str:
+        if rank in self._local_pids():
+            return self._exit_reason(self.pids[rank])
+        return (
+            f"it ran on {self.hosts.get(rank, 'another host')} and stopped answering "
+            "ipyparallel's heartbeat (its engine log there says why)"
+        )
 
     def _exit_reason(self, pid: int, wait: float = 1.0) -> str:
         """How an engine ended, from its launcher (local engines only)."""
@@ -614,13 +753,7 @@ class LabCluster:
     def _interrupt(self, ranks) -> None:
         """SIGINT the engines of ``ranks``: Python code on them raises
         KeyboardInterrupt, their process group is torn down, peers fail fast."""
-        for r in ranks:
-            pid = self.pids.get(r)
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGINT)
-                except ProcessLookupError:
-                    pass
+        self.signal(ranks, signal.SIGINT)
         self._needs_reset = True
 
     def _require_started(self) -> None:

@@ -25,7 +25,7 @@ state: dict = {
     "world_size": None,
     "generation": 0,
     "broken": None,
-    "peers": [],  # pids of the other engines of this world (same host)
+    "peers": [],  # pids of the other engines of this world on this host
     "board": None,  # this rank's _Board, where the notebook reads what it is doing
 }
 
@@ -200,10 +200,14 @@ def setup(
     peers=(),
     board=None,
     check_collectives=False,
+    single_host=True,
 ):
     """Join the world as ``rank`` and expose ``rank``, ``world_size``, ``topo`` to
     ``%%px`` cells. Called on every engine at start and at each reset.
 
+    ``peers``: the pids of the other engines on this engine's host (what
+    :func:`sever_peer_connections` looks at). ``single_host=False``: the world
+    spans machines; ``store_file`` is then on a filesystem they share.
     ``board``: the file this rank keeps its current op in (see :class:`_Board`).
     ``check_collectives``: wrap the groups in torch's collective checker
     (``TORCH_DISTRIBUTED_DEBUG=DETAIL``): every collective first compares op,
@@ -218,6 +222,7 @@ def setup(
         dist.set_debug_level(dist.DebugLevel.DETAIL)
     else:
         dist.set_debug_level_from_env()  # off, unless the engines' environment says
+    os.makedirs(os.path.dirname(store_file), mode=0o700, exist_ok=True)
     launch.init_process_group(
         rank,
         world_size,
@@ -225,6 +230,7 @@ def setup(
         store_file=store_file,
         timeout=timeout,
         device=device,
+        single_host=single_host,
     )
     state.update(
         rank=rank,
@@ -247,6 +253,16 @@ def setup(
     except ImportError:  # pragma: no cover
         pass
     return {"rank": rank, "pid": os.getpid(), "host": os.uname().nodename}
+
+
+def whereami() -> dict:
+    """Where this engine runs: its pid, its host's name, its cores and the GPUs it
+    sees (``visible``: its ``CUDA_VISIBLE_DEVICES``, which Slurm sets per task). The
+    notebook maps ranks to GPUs from these, before any world exists."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"pid": os.getpid(), "host": os.uname().nodename, "gpus": gpus,
+            "cpus": os.cpu_count() or 1,
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}  # fmt: skip
 
 
 def health() -> dict:

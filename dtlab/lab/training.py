@@ -213,14 +213,6 @@ def _train_stoppable_on_engine(config: TrainConfig, pace: float = 0.0) -> dict:
     return {"records": trainer.records, "stopped_at": stopped_at, "t_end": time.time()}
 
 
-def _local_engines(cluster) -> bool:
-    """Whether ``cluster.pids`` are processes of this machine (not a profile's)."""
-    return (
-        getattr(cluster, "engines", "local") == "local"
-        and getattr(cluster, "profile_dir", None) is None
-    )
-
-
 class LiveRun:
     """A training run going on in a background thread of the kernel; made by
     :func:`start_run`.
@@ -315,22 +307,13 @@ class LiveRun:
             self._on_events(batch)
 
     def _signal(self, ranks) -> None:
-        import os
         import signal
 
-        if not _local_engines(self.cluster):
-            return  # pids of another machine: never signal them here
-        for r in ranks:
-            with self._lock:
-                if r in self._signalled:
-                    continue
-                self._signalled.add(r)
-            pid = self.cluster.pids.get(r)
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
+        with self._lock:
+            fresh = [r for r in ranks if r not in self._signalled]
+            self._signalled.update(fresh)
+        # by pid on this machine, through ipyparallel on another (LabCluster.signal)
+        self.cluster.signal(fresh, signal.SIGUSR1)
 
     # ---- the notebook side ------------------------------------------------------
     @property
@@ -341,17 +324,10 @@ class LiveRun:
         """Ask every rank to stop after its current step and wait up to ``timeout``
         seconds; if they have not stopped by then, interrupt them (SIGINT) and say
         so. Returns what happened (also in :attr:`message`)."""
-        import os
         import signal
 
         if not self.running:
             return self.message or "the run had already finished"
-        if not _local_engines(self.cluster):
-            raise RuntimeError(
-                "Stop signals the engine processes, which needs engines on this "
-                "machine; these were launched by a profile elsewhere: wait for the "
-                "run, or call cluster.restart()"
-            )
         with self._lock:
             self.stop_requested = True
             ready = sorted(self._ready)
@@ -364,11 +340,8 @@ class LiveRun:
                 "they were interrupted (SIGINT); the next run resets the process "
                 "group by itself"
             )
-            for pid in self.cluster.pids.values():
-                try:
-                    os.kill(pid, signal.SIGINT)  # idle engines ignore SIGINT
-                except ProcessLookupError:
-                    pass
+            # idle engines ignore SIGINT
+            self.cluster.signal(list(self.cluster.pids), signal.SIGINT)
             self._thread.join(max(timeout, 30.0))  # the ranks tear their group down
         return self.message
 
