@@ -254,6 +254,16 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, *, async_op=False, tag=None)
     )
 
 
+# torch 2.13 renamed reduce_scatter_tensor and all_gather_into_tensor (both now
+# deprecated, with a warning per call) to *_single; older torch has only the old names
+_reduce_scatter_single = getattr(
+    dist, "reduce_scatter_single", getattr(dist, "reduce_scatter_tensor", None)
+)
+_all_gather_single = getattr(
+    dist, "all_gather_single", getattr(dist, "all_gather_into_tensor", None)
+)
+
+
 def reduce_scatter(
     output, input, op=ReduceOp.SUM, group=None, *, async_op=False, tag=None
 ):
@@ -273,7 +283,7 @@ def reduce_scatter(
         axis,
         async_op,
         tag,
-        lambda: dist.reduce_scatter_tensor(
+        lambda: _reduce_scatter_single(
             output, input, op=op, group=pg, async_op=async_op
         ),
     )
@@ -295,7 +305,7 @@ def all_gather(output, input, group=None, *, async_op=False, tag=None):
         axis,
         async_op,
         tag,
-        lambda: dist.all_gather_into_tensor(output, input, group=pg, async_op=async_op),
+        lambda: _all_gather_single(output, input, group=pg, async_op=async_op),
     )
 
 

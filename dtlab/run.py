@@ -159,8 +159,6 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     """Every rank's ``data``, through :mod:`dtlab.comm` (sizes first, then the
     padded bytes): rank 0 needs all ranks' events even when no filesystem is
     shared between nodes."""
-    import warnings
-
     import torch
     import torch.distributed as dist
 
@@ -169,15 +167,12 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     n, dev = dist.get_world_size(), _device()
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = torch.empty(n, dtype=torch.int64, device=dev)
-    with warnings.catch_warnings():
-        # torch 2.13 calls all_gather_into_tensor deprecated; dtlab.comm still uses it
-        warnings.simplefilter("ignore", FutureWarning)
-        comm.all_gather(sizes, size, tag="run/gather")
-        width = max(int(sizes.max()), 1)
-        mine = torch.zeros(width, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = torch.empty(n * width, dtype=torch.uint8, device=dev)
-        comm.all_gather(out, mine.to(dev), tag="run/gather")
+    comm.all_gather(sizes, size, tag="run/gather")
+    width = max(int(sizes.max()), 1)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(n * width, dtype=torch.uint8, device=dev)
+    comm.all_gather(out, mine.to(dev), tag="run/gather")
     out = out.cpu().view(n, width)
     return [bytes(out[r, : int(sizes[r])].tolist()) for r in range(n)]
 
