@@ -8,7 +8,9 @@ puts dtlab next to PyTorch. Two kinds of row:
   (:func:`dtlab.train.bench`), ZeRO-1 vs ``ZeroRedundancyOptimizer`` and ZeRO-3 vs
   FSDP2 ``fully_shard`` (:func:`dtlab.zero.bench`), tensor parallelism vs DTensor
   (:func:`dtlab.tensor_parallel.bench`), 1F1B vs ``torch.distributed.pipelining``
-  (:func:`dtlab.pipeline.bench`). Ratio = dtlab / torch (lower is faster).
+  (:func:`dtlab.pipeline.bench`), and the composition dp2·tp2 with ZeRO-3 vs FSDP2
+  over DTensor TP (:func:`dtlab.parallelize.bench`). Ratio = dtlab / torch (lower
+  is faster).
 - **measurement against prediction**: bytes each rank sent per step (telemetry comm
   events) vs :func:`dtlab.estimate.layout_traffic`, bytes held per rank (telemetry
   memory events) vs :func:`dtlab.estimate.layout_memory`, the measured pipeline
@@ -33,7 +35,7 @@ import traceback
 
 __all__ = ["PARTS", "collect", "assemble", "format_table", "report", "main"]
 
-PARTS = ("ddp", "zero", "tp", "pp", "telemetry")
+PARTS = ("ddp", "zero", "tp", "pp", "2d", "telemetry")
 
 
 def _settings(quick: bool) -> dict:
@@ -45,6 +47,7 @@ def _settings(quick: bool) -> dict:
             "tp": dict(world_size=2, d_model=64, n_heads=4, batch=4, seq_len=32,
                        steps=3, warmup=1),
             "pp": dict(p=2, steps=3),
+            "2d": dict(steps=3, warmup=1, n_layers=2),
             "telemetry": dict(world_size=2, steps=3, overhead_steps=6),
         }  # fmt: skip
     return {
@@ -52,6 +55,7 @@ def _settings(quick: bool) -> dict:
         "zero": dict(world_sizes=(2, 4), steps=10, warmup=3),
         "tp": dict(world_size=2),
         "pp": dict(p=4, steps=5),
+        "2d": dict(steps=8, warmup=2),
         "telemetry": dict(world_size=4, steps=4, overhead_steps=20),
     }
 
@@ -207,6 +211,10 @@ def _run_part(part: str, s: dict):
         from dtlab.pipeline import bench
 
         return bench(**s)
+    if part == "2d":
+        from dtlab.parallelize import bench
+
+        return bench(**s)
     if part == "telemetry":
         return bench_telemetry(**s)
     raise ValueError(f"unknown part {part!r}: expected some of {PARTS}")
@@ -317,6 +325,17 @@ def assemble(collected: dict) -> list[dict]:
                     "bubble", f"1F1B bubble m={m}", p, b["measured"], b["formula"],
                     "fraction", "(p-1)/(m+p-1)",
                 ))  # fmt: skip
+    if "2d" in res:
+        r = res["2d"]
+        if "error" in r:
+            rows.append(_error_row("speed", r["error"]))
+        else:
+            st = r["step_s"]
+            rows.append(_row(
+                "speed", "dp2·tp2 ZeRO-3 step", r["world_size"], st["dtlab"] * 1e3,
+                st["torch"] * 1e3, "ms", "FSDP2 + DTensor TP",
+                f"max rel loss diff {r['max_rel_loss_diff']:.1e}",
+            ))  # fmt: skip
     if "telemetry" in res:
         r = res["telemetry"]
         if "error" in r:

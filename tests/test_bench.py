@@ -37,6 +37,8 @@ SYNTHETIC = {
                "step_s": {"dtlab 1f1b": 0.05, "torch 1f1b": 0.1},
                "bubble": {4: {"measured": 0.45, "formula": 3 / 7},
                           8: {"measured": 0.3, "formula": 3 / 11}}},
+        "2d": {"world_size": 4, "steps": 8, "model": {},
+               "step_s": {"dtlab": 0.06, "torch": 0.04}, "max_rel_loss_diff": 1e-7},
         "telemetry": {
             "world_size": 2, "steps": 3,
             "configs": {
@@ -71,6 +73,8 @@ def test_every_comparison_becomes_a_row_with_its_ratio():
     assert rows["TP mlp fwd+bwd", 2]["ratio"] == pytest.approx(0.5)
     assert rows["TP attention fwd+bwd", 2]["ratio"] == pytest.approx(1.0)
     assert rows["PP 1F1B step", 4]["ratio"] == pytest.approx(0.5)
+    assert rows["dp2·tp2 ZeRO-3 step", 4]["ratio"] == pytest.approx(1.5)
+    assert rows["dp2·tp2 ZeRO-3 step", 4]["against"] == "FSDP2 + DTensor TP"
     # against prediction: measured / predicted
     assert rows["1F1B bubble m=4", 4]["ratio"] == pytest.approx(0.45 / (3 / 7))
     assert rows["1F1B bubble m=8", 4]["reference"] == pytest.approx(3 / 11)
