@@ -1,7 +1,9 @@
 """3D parallelism through ``TrainConfig``: every layout of a 4-rank world and the
 2×2×2 layout of an 8-rank world, with DDP and each ZeRO stage over dp, train to the
-single-process reference's loss curve; activation checkpointing changes no gradient
-and saves the memory it should; 16-bit runs track the same-casts reference.
+single-process reference's loss curve; dp2·tp2 with ZeRO-3 also matches PyTorch's own
+composition (FSDP2 over DTensor tensor parallelism); activation checkpointing changes
+no gradient and saves the memory it should; 16-bit runs track the same-casts
+reference.
 
 Tolerances (fp32 on gloo). The composed runs compute the same sums as the reference
 in other orders: each dp rank averages its own slice of the batch before the
