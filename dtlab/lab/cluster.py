@@ -325,11 +325,20 @@ class LabCluster:
                     pass
             elif r in self.rank_to_engine:
                 remote.append(self.rank_to_engine[r])
-        if remote and self.client is not None:
+        if remote and self._cluster is not None:
+            # a client of its own: Stop calls this from the notebook's thread while
+            # a run waits on self.client in another, and zmq sockets are not
+            # thread-safe
             try:
-                self.client.send_signal(int(signum), targets=remote, block=False)
+                client = self._cluster.connect_client_sync()
+            except Exception:  # noqa: BLE001 - the controller is gone: nothing to do
+                return
+            try:
+                client.send_signal(int(signum), targets=remote, block=True)
             except Exception:  # noqa: BLE001 - a dead engine: the heartbeat says so
                 pass
+            finally:
+                client.close()
 
     def _init_world(self, wait: float | None = None) -> None:
         """(Re)create the torch.distributed world on every engine."""
