@@ -48,10 +48,9 @@ the whole, so the sharded update equals the unsharded one bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -789,7 +788,7 @@ class FullyShardedDataParallel(nn.Module):
 
         return hook
 
-    @contextlib.contextmanager
+    @contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients without communicating; the
         first backward outside (or :meth:`reduce_gradients`) reduces the sum once.
