@@ -255,13 +255,16 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, *, async_op=False, tag=None)
 
 
 # torch 2.13 renamed reduce_scatter_tensor and all_gather_into_tensor (both now
-# deprecated, with a warning per call) to *_single; older torch has only the old names
-_reduce_scatter_single = getattr(
-    dist, "reduce_scatter_single", getattr(dist, "reduce_scatter_tensor", None)
-)
-_all_gather_single = getattr(
-    dist, "all_gather_single", getattr(dist, "all_gather_into_tensor", None)
-)
+# deprecated, with a warning per call) to *_single; older torch has only the old
+# names. Looked up at each call, so a test that patches torch.distributed sees it.
+def _reduce_scatter_single(*args, **kwargs):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kwargs)
+
+
+def _all_gather_single(*args, **kwargs):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
 
 
 def reduce_scatter(

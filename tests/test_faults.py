@@ -26,6 +26,12 @@ from dtlab.lab import EngineDied, LabCluster, RankError
 pytestmark = pytest.mark.cluster
 
 TIMEOUT = 5.0  # the dedicated cluster's collective timeout (seconds)
+# the torch function dtlab.comm.reduce_scatter calls (renamed in torch 2.13)
+_RS = (
+    "reduce_scatter_single"
+    if hasattr(torch.distributed, "reduce_scatter_single")
+    else "reduce_scatter_tensor"
+)
 BOUND = 30.0  # generous: a fault must surface well within this
 
 
@@ -229,7 +235,7 @@ def test_engine_killed_mid_step_is_reported_and_restart_recovers(cluster):
     "torch_fn, bad_rank, stage, op, tag",
     [
         ("all_reduce", 1, "ddp", "all_reduce", "tag 'ddp'"),
-        ("reduce_scatter_tensor", 0, "zero3", "reduce_scatter", "tag 'zero3/rs/"),
+        (_RS, 0, "zero3", "reduce_scatter", "tag 'zero3/rs/"),
     ],
     ids=["ddp-bucket-hook", "zero3-reduce-scatter"],
 )
