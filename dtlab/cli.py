@@ -4,9 +4,9 @@
 - ``dtlab info``: what this machine offers (backend, GPUs, CPU engines it can run).
 - ``dtlab run CONFIG``: train a :class:`dtlab.train.TrainConfig` headless, under
   torchrun or on ``--nproc`` local processes (:mod:`dtlab.run`).
-- ``dtlab bench``: every comparison with PyTorch's own implementations and with the
-  estimates, in one run, one table (:mod:`dtlab.bench`);
-  ``dtlab bench ddp|zero|tp|pp``: one technique against PyTorch's, its own table.
+- ``dtlab bench [PART ...]``: every comparison with PyTorch's own implementations
+  and with the estimates (or only the parts named), in one run, one table
+  (:mod:`dtlab.bench`).
 """
 
 from __future__ import annotations
@@ -92,27 +92,64 @@ def _info(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
-    if args.what == "ddp":
-        from dtlab.train import bench, format_bench
+def bench_main(argv=None) -> int:
+    """``dtlab bench [PART ...] [--quick] [--steps N] [--json PATH] [--plot P.png]``:
+    run the parts (all of :data:`dtlab.bench.PARTS` by default), print one table,
+    write its JSON (and a picture of it)."""
+    import json
 
-        print(format_bench(bench("ddp")))
-    elif args.what == "zero":
-        from dtlab.zero import bench, format_bench
+    from dtlab import bench
 
-        print(format_bench(bench()))
-    elif args.what == "tp":
-        from dtlab.tensor_parallel import bench_main
+    p = argparse.ArgumentParser(
+        prog="dtlab bench",
+        description="Every comparison in one run: dtlab against PyTorch's own DDP, "
+        "ZeroRedundancyOptimizer, FSDP2, DTensor TP and pipelining, and "
+        "measurements against dtlab.estimate; one table.",
+    )
+    p.add_argument(
+        "parts", nargs="*", metavar="PART",
+        help=f"parts to run (default: all of {', '.join(bench.PARTS)})",
+    )  # fmt: skip
+    p.add_argument("--only", default=None, help="the same, comma-separated")
+    p.add_argument("--quick", action="store_true", help="a small, fast run")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per part")
+    p.add_argument("--out", default=".", help="folder for bench.json (default: .)")
+    p.add_argument("--json", default=None, help="JSON path (default: OUT/bench.json)")
+    p.add_argument("--plot", default=None, help="draw the table into this PNG")
+    a = p.parse_args(argv)
+    parts = list(a.parts)
+    if a.only:
+        parts += [x.strip() for x in a.only.split(",") if x.strip()]
+    parts = parts or list(bench.PARTS)
+    unknown = [x for x in parts if x not in bench.PARTS]
+    if unknown:
+        print(f"dtlab bench: unknown part(s) {unknown}: choose from "
+              f"{', '.join(bench.PARTS)}", file=sys.stderr)  # fmt: skip
+        return 2
+    if a.steps is not None and a.steps < 1:
+        print(f"dtlab bench: --steps must be >= 1, got {a.steps}", file=sys.stderr)
+        return 2
+    if a.plot and not a.plot.endswith(".png"):
+        print("dtlab bench: --plot writes a PNG: give a path ending in .png",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    collected = bench.collect(a.quick, parts, steps=a.steps)
+    rep = bench.report(collected)
+    print(bench.format_table(rep["rows"]))
+    path = a.json or os.path.join(a.out, "bench.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(rep, f, indent=1)
+    print(f"wrote {path}")
+    if a.plot:
+        from dtlab.lab.benchplot import write_png
 
-        return bench_main(args.rest)
-    elif args.what == "pp":
-        from dtlab.pipeline import bench, format_bench
-
-        print(format_bench(bench(p=args.p, steps=args.steps)))
-    return 0
-
-
-BENCH_PARTS = ("ddp", "zero", "tp", "pp")
+        print(f"wrote {write_png(rep['rows'], a.plot)}")
+    failed = [k for k, v in collected["results"].items() if "error" in v]
+    for k in failed:
+        print(f"dtlab bench: part {k} failed:\n{collected['results'][k]['traceback']}",
+              file=sys.stderr)  # fmt: skip
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         from dtlab.run import main as run_main
 
         return run_main(argv[1:])
-    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in BENCH_PARTS):
-        from dtlab.bench import main as bench_main
-
+    if argv[:1] == ["bench"]:
         return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="dtlab", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,25 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         help="train a TrainConfig headless (torchrun or --nproc); see dtlab run -h",
         add_help=False,
     )
-    bench = sub.add_parser(
+    sub.add_parser(
         "bench",
         help="every comparison with PyTorch and the estimates in one table "
-        "(dtlab bench [--quick] [--json P] [--plot P.png]), or one technique "
-        "(dtlab bench ddp|zero|tp|pp)",
+        "(dtlab bench [PART ...] [--quick] [--json P] [--plot P.png])",
+        add_help=False,
     )
-    bench.add_argument("what", choices=BENCH_PARTS)
-    bench.add_argument("--p", type=int, default=4, help="pp: pipeline stages")
-    bench.add_argument("--steps", type=int, default=5, help="pp: steps to time")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="tp: its own options")
-    bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
-    if args.command == "bench" and args.what != "tp" and args.rest:
-        # only tp takes options of its own; elsewhere they are ours (or a typo)
-        if {"-h", "--help"} & set(args.rest):
-            bench.print_help()
-            return 0
-        parser.error(f"unrecognized arguments: {' '.join(args.rest)}")
     return args.func(args)
 
 

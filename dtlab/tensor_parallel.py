@@ -47,8 +47,6 @@ Activations here are ``(B, T, C)``; sequence parallelism splits ``T``.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +77,6 @@ __all__ = [
     "load_shards_",
     "tp_train_step",
     "tp_grad_norm",
-    "bench",
 ]
 
 
@@ -999,127 +996,3 @@ def tp_train_step(model, optimizer, x, y, grad_clip: float | None = None) -> dic
             ),
         )  # fmt: skip
     return {"loss": loss.item(), "grad_norm": norm}
-
-
-# ---- dtlab TP against DTensor TP: `dtlab bench tp` -----------------------------------
-def _bench_rank(d_model, n_heads, batch, seq_len, steps, warmup):
-    """On every rank: time forward+backward of one MLP and one attention block split
-    by dtlab and by DTensor (ColwiseParallel / RowwiseParallel), same weights."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    from dtlab.model import MLP, CausalSelfAttention, GPTConfig
-    from dtlab.topology import Layout, Topology
-
-    n = dist.get_world_size()
-    topo = Topology(Layout(tp=n))
-    axis = topo.axis("tp")
-    cfg = GPTConfig(d_model=d_model, n_heads=n_heads, seq_len=seq_len)
-    device = (
-        "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    )
-    mesh = DeviceMesh.from_group(topo.group("tp"), device)
-    rng = TPRandom(0, axis)
-    x = torch.randn(batch, seq_len, d_model, generator=torch.Generator().manual_seed(1))
-    x = x.to(device)
-
-    def make(kind):
-        torch.manual_seed(0)
-        if kind == "mlp":
-            full = MLP(cfg)
-            ours = ParallelMLP(d_model, cfg.d_ff, axis, rng)
-            plan = {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
-        else:
-            full = CausalSelfAttention(cfg)
-            ours = ParallelSelfAttention(d_model, n_heads, axis, rng)
-            plan = {name: ColwiseParallel() for name in ("q", "k", "v")}
-            plan["proj"] = RowwiseParallel()
-        load_shards_(ours, full, axis)  # same weights for both
-        theirs = parallelize_module(full.to(device), mesh, plan)
-        return ours.to(device), theirs
-
-    def timeit(module):
-        times = []
-        for i in range(warmup + steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            out = module(x)
-            out.float().sum().backward()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    result = {}
-    for kind in ("mlp", "attention"):
-        ours, theirs = make(kind)
-        y_ours, y_theirs = ours(x), theirs(x)
-        result[kind] = {
-            "dtlab_s": timeit(ours),
-            "dtensor_s": timeit(theirs),
-            "max_abs_diff": float((y_ours - y_theirs).detach().abs().max()),
-        }
-    return result
-
-
-def bench(
-    world_size: int = 2,
-    *,
-    d_model: int = 256,
-    n_heads: int = 8,
-    batch: int = 8,
-    seq_len: int = 128,
-    steps: int = 10,
-    warmup: int = 3,
-    timeout: float = 300.0,
-) -> dict:
-    """Median forward+backward time of the same MLP and attention block under
-    dtlab's TP and DTensor's TP, on ``world_size`` fresh CPU processes (gloo).
-    Returns rank 0's ``{"mlp": {...}, "attention": {...}}``; run by ``dtlab bench
-    tp`` (see :func:`bench_main`)."""
-    from dtlab.launch import spawn
-
-    out = spawn(
-        _bench_rank, world_size, d_model, n_heads, batch, seq_len, steps, warmup,
-        timeout=timeout,
-    )  # fmt: skip
-    return out[0]
-
-
-def bench_main(argv=None) -> int:
-    """``dtlab bench tp [--world-size N] [--d-model H] ...``: print the table."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="dtlab bench tp", description=bench.__doc__)
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=10)
-    a = p.parse_args(argv)
-    res = bench(
-        a.world_size, d_model=a.d_model, n_heads=a.n_heads, batch=a.batch,
-        seq_len=a.seq_len, steps=a.steps,
-    )  # fmt: skip
-    print(
-        f"tp={a.world_size}  batch={a.batch} seq={a.seq_len} d_model={a.d_model}  "
-        "(median forward+backward)"
-    )
-    print(f"{'block':<10}{'dtlab TP':>12}{'DTensor TP':>13}{'ratio':>8}{'max|dy|':>10}")
-    for kind, r in res.items():
-        print(
-            f"{kind:<10}{r['dtlab_s'] * 1e3:>10.2f}ms{r['dtensor_s'] * 1e3:>11.2f}ms"
-            f"{r['dtensor_s'] / r['dtlab_s']:>8.2f}{r['max_abs_diff']:>10.1e}"
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(bench_main())

@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -64,8 +63,6 @@ __all__ = [
     "register_strategy",
     "Trainer",
     "train",
-    "bench",
-    "format_bench",
 ]
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -780,95 +777,3 @@ class Trainer:
 def train(config: TrainConfig, topo: Topology | None = None) -> list[dict]:
     """Train ``config`` on the current process group; this rank's per-step records."""
     return Trainer(config, topo).fit()
-
-
-# ---- benchmarks (``dtlab bench``) ---------------------------------------------------
-BENCH_MODEL = GPTConfig(vocab_size=256, seq_len=64, n_layers=4, n_heads=4, d_model=128)
-
-
-def _bench_ddp_rank(model_cfg, steps, warmup, micro_batch, bucket_cap_mb):
-    """On every rank: dtlab DDP and PyTorch DDP on the same model and data, their
-    steps interleaved so both see the same machine load."""
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    from dtlab.ddp import DistributedDataParallel
-
-    r, n = dist.get_rank(), dist.get_world_size()
-    data = SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_len)
-    impls = {
-        "dtlab": DistributedDataParallel(GPT(model_cfg), bucket_cap_mb=bucket_cap_mb),
-        "torch": TorchDDP(GPT(model_cfg), bucket_cap_mb=bucket_cap_mb),
-    }
-    opts = {k: make_optimizer(m.parameters()) for k, m in impls.items()}
-    times: dict[str, list[float]] = {k: [] for k in impls}
-    overlap, exposed, buckets = [], [], 0
-    for step in range(warmup + steps):
-        x, y = data.shard(step, micro_batch * n, r, n)
-        for name, model in impls.items():
-            dist.barrier()
-            t0 = telemetry.clock()
-            opts[name].zero_grad(set_to_none=True)
-            _, loss = model(x, y)
-            loss.backward()
-            opts[name].step()
-            if step >= warmup:
-                times[name].append(telemetry.clock() - t0)
-                if name == "dtlab":
-                    overlap.append(model.last_sync["overlap"])
-                    exposed.append(model.last_sync["exposed_s"])
-                    buckets = model.last_sync["buckets"]
-    return {
-        "world_size": n,
-        "dtlab_step_s": statistics.median(times["dtlab"]),
-        "torch_step_s": statistics.median(times["torch"]),
-        "overlap": statistics.median(overlap),
-        "exposed_s": statistics.median(exposed),
-        "buckets": buckets,
-        "params": sum(p.numel() for p in impls["dtlab"].parameters()),
-    }
-
-
-def bench(
-    strategy: str = "ddp",
-    world_sizes=(2, 4),
-    *,
-    steps: int = 20,
-    warmup: int = 3,
-    micro_batch: int = 4,
-    bucket_cap_mb: float = 0.25,
-    model: GPTConfig = BENCH_MODEL,
-) -> list[dict]:
-    """Step time of dtlab's implementation against PyTorch's, same model, same run,
-    on fresh processes (:func:`dtlab.launch.spawn`); one row per world size (rank
-    0's medians). A benchmark, not a test: the numbers depend on the machine."""
-    from dtlab.launch import spawn
-
-    if strategy != "ddp":
-        strategy_class(strategy)  # a clear error for unknown names
-        raise NotImplementedError(f"no benchmark for strategy {strategy!r} yet")
-    rows = []
-    for n in world_sizes:
-        out = spawn(
-            _bench_ddp_rank, n, model, steps, warmup, micro_batch, bucket_cap_mb,
-            timeout=120,
-        )  # fmt: skip
-        rows.append(out[0])
-    return rows
-
-
-def format_bench(rows) -> str:
-    lines = [
-        f"{'N':>3} {'params':>9} {'buckets':>8} {'dtlab ms':>9} {'torch ms':>9} "
-        f"{'ratio':>6} {'overlap':>8}"
-    ]
-    for r in rows:
-        lines.append(
-            f"{r['world_size']:>3} {r['params']:>9,} {r['buckets']:>8} "
-            f"{r['dtlab_step_s'] * 1e3:>9.1f} {r['torch_step_s'] * 1e3:>9.1f} "
-            f"{r['dtlab_step_s'] / r['torch_step_s']:>6.2f} {r['overlap']:>8.0%}"
-        )
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":  # python -m dtlab.train  (same as `dtlab bench ddp`)
-    print(format_bench(bench()))

@@ -9,8 +9,8 @@ import pytest
 from dtlab import bench
 from dtlab.cli import main as cli_main
 
-# what each part returns, in the shapes of dtlab.train/zero/tensor_parallel/
-# pipeline.bench and dtlab.bench.bench_telemetry, with round numbers
+# what each part returns, in the shapes of dtlab.bench.{ddp, zero, tensor_parallel,
+# pipeline, composed, telemetry}.run, with round numbers
 SYNTHETIC = {
     "quick": True,
     "seconds": {"ddp": 1.0},

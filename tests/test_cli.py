@@ -96,7 +96,7 @@ def test_run_and_bench_have_their_own_options(capsys):
     for argv, expected in (
         (["run", "-h"], "--nproc"),
         (["bench", "-h"], "--quick"),
-        (["bench", "pp", "-h"], "--steps"),  # one part keeps its own options
+        (["bench", "pp", "-h"], "--steps"),  # a part takes the same options
     ):
         assert _help(argv) == 0
         assert expected in capsys.readouterr().out

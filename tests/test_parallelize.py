@@ -143,12 +143,12 @@ def test_3d_layout_2x2x2_matches_the_reference_with_every_dp_flavour(lab_cluster
 # ---- against PyTorch's own composition: FSDP2 over dp, DTensor TP over tp ------------
 def _torch_2d(steps):
     """The same model, data and optimizer through PyTorch's 2D parallelism
-    (:func:`dtlab.parallelize.torch_2d`: DTensor TP over tp, FSDP2 over dp).
+    (:func:`dtlab.bench.composed.torch_2d`: DTensor TP over tp, FSDP2 over dp).
     Returns the global-batch loss of each step."""
     import torch.distributed as dist
 
+    from dtlab.bench.composed import torch_2d
     from dtlab.model import SyntheticTokens
-    from dtlab.parallelize import torch_2d
     from dtlab.reference import make_optimizer
 
     model, dp_mesh = torch_2d(CFG, 2, 2)

@@ -471,7 +471,7 @@ def test_training_steps_match_the_reference(lab_cluster):
 def _vs_torch(schedule, m):
     import torch.distributed as dist
 
-    from dtlab.pipeline import torch_pipeline
+    from dtlab.bench.pipeline import torch_pipeline
 
     topo = Topology(Layout(pp=dist.get_world_size()))
     x, y = _batch()

@@ -460,7 +460,9 @@ def test_column_row_pair_matches_dtensor_tensor_parallel(lab_cluster):
 
 
 def test_bench_compares_with_dtensor_on_the_same_blocks(lab_cluster):
-    res = lab_cluster(4).run(tpm._bench_rank, 32, 4, 2, 16, 1, 0)
+    from dtlab.bench.tensor_parallel import time_blocks
+
+    res = lab_cluster(4).run(time_blocks, 32, 4, 2, 16, 1, 0)
     for kind in ("mlp", "attention"):
         assert res[0][kind]["max_abs_diff"] < 1e-5  # same weights, same output
         assert res[0][kind]["dtlab_s"] > 0 and res[0][kind]["dtensor_s"] > 0

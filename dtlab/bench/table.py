@@ -5,11 +5,11 @@ puts dtlab next to PyTorch. Two kinds of row:
 
 - **against PyTorch's own implementation**, same model, same processes, steps
   interleaved or back to back: DDP vs ``torch.nn.parallel.DistributedDataParallel``
-  (:func:`dtlab.train.bench`), ZeRO-1 vs ``ZeroRedundancyOptimizer`` and ZeRO-3 vs
-  FSDP2 ``fully_shard`` (:func:`dtlab.zero.bench`), tensor parallelism vs DTensor
-  (:func:`dtlab.tensor_parallel.bench`), 1F1B vs ``torch.distributed.pipelining``
-  (:func:`dtlab.pipeline.bench`), and the composition dp2·tp2 with ZeRO-3 vs FSDP2
-  over DTensor TP (:func:`dtlab.parallelize.bench`). Ratio = dtlab / torch (lower
+  (:mod:`dtlab.bench.ddp`), ZeRO-1 vs ``ZeroRedundancyOptimizer`` and ZeRO-3 vs
+  FSDP2 ``fully_shard`` (:mod:`dtlab.bench.zero`), tensor parallelism vs DTensor
+  (:mod:`dtlab.bench.tensor_parallel`), 1F1B vs ``torch.distributed.pipelining``
+  (:mod:`dtlab.bench.pipeline`), and the composition dp2·tp2 with ZeRO-3 vs FSDP2
+  over DTensor TP (:mod:`dtlab.bench.composed`). Ratio = dtlab / torch (lower
   is faster).
 - **measurement against prediction**: bytes each rank sent per step (telemetry comm
   events) vs :func:`dtlab.estimate.layout_traffic`, bytes held per rank (telemetry
@@ -23,17 +23,13 @@ and the bubble formula do not. ``--quick`` runs a small version of everything.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
-import statistics
 import sys
-import tempfile
 import time
 import traceback
 
-__all__ = ["PARTS", "collect", "assemble", "format_table", "report", "main"]
+__all__ = ["PARTS", "collect", "assemble", "format_table", "report"]
 
 PARTS = ("ddp", "zero", "tp", "pp", "2d", "telemetry")
 
@@ -60,170 +56,34 @@ def _settings(quick: bool) -> dict:
     }
 
 
-# ---- telemetry part: bytes and memory vs estimate, recorder overhead ----------------
-def _telemetry_configs(world_size: int) -> list[tuple[str, object]]:
-    """(label, TrainConfig) pairs measured against the estimates: the data-parallel
-    flavours over the whole world, then tensor and pipeline layouts."""
-    from dtlab.model import GPTConfig
-    from dtlab.topology import Layout
-    from dtlab.train import TrainConfig
-
-    model = GPTConfig(vocab_size=128, seq_len=32, n_layers=4, n_heads=4, d_model=64)
-    base = TrainConfig(model=model, global_batch_size=4 * world_size, bucket_cap_mb=1)
-    out = [(s, base.replace(strategy=s)) for s in ("ddp", "zero1", "zero2", "zero3")]
-    half = world_size // 2
-    out += [
-        ("ddp tp=2", base.replace(layout=Layout(dp=half, tp=2))),
-        ("ddp pp=2", base.replace(layout=Layout(dp=half, pp=2), microbatches=4)),
-    ]
-    return out
-
-
-def _telemetry_rank(labels, steps: int, overhead_steps: int, workdir: str) -> dict:
-    """On every rank: train each config under a recorder and return its events
-    (rank 0's are enough for traffic; memory is compared per rank too); then time
-    one run's steps with recording on and off, alternately."""
-    import torch.distributed as dist
-
-    from dtlab import comm, telemetry
-    from dtlab.train import Trainer
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    configs = dict(_telemetry_configs(world))
-    out: dict = {"runs": {}, "overhead": {}}
-    for label in labels:
-        rec = telemetry.Recorder(rank)
-        try:
-            with telemetry.use(rec):
-                rec.step = -1  # set-up traffic (initial broadcasts) is not per step
-                trainer = Trainer(configs[label])
-                trainer.fit(steps)
-        except Exception as exc:  # noqa: BLE001 - reported as the row's note
-            out["runs"][label] = {"error": f"{type(exc).__name__}: {exc}"}
-            comm.barrier()  # every rank raises at build: nothing is left in flight
-            continue
-        keep = ("comm", "memory")
-        out["runs"][label] = [e for e in rec.events if e["kind"] in keep]
-    # overhead: one DDP run, steps alternately recorded (as `dtlab run` records:
-    # a JSONL file per rank) and not; the medians of each half
-    trainer = Trainer(configs["ddp"])
-    trainer.fit(2)  # warm-up
-    sink = telemetry.JsonlSink(os.path.join(workdir, "overhead"), rank)
-    rec = telemetry.Recorder(rank, [sink])
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    for i in range(2 * overhead_steps):
-        on = i % 2 == 0
-        comm.barrier()
-        t0 = time.perf_counter()
-        if on:
-            with telemetry.use(rec):
-                trainer.fit(1)
-        else:
-            trainer.fit(1)
-        times["on" if on else "off"].append(time.perf_counter() - t0)
-    rec.close()
-    out["overhead"] = {k: statistics.median(v) for k, v in times.items()}
-    out["overhead"]["events_per_step"] = len(telemetry.read_jsonl(sink.path)) / max(
-        overhead_steps, 1
-    )
-    return out
-
-
-def bench_telemetry(
-    world_size: int = 2, *, steps: int = 3, overhead_steps: int = 10
-) -> dict:
-    """Measured bytes per step and bytes per rank of each telemetry config next to
-    the estimate, and recording overhead; on ``world_size`` fresh processes."""
-    from dtlab.launch import spawn
-    from dtlab.run import (
-        measured_memory,
-        measured_traffic,
-        predicted_memory,
-        predicted_traffic,
-    )
-
-    configs = _telemetry_configs(world_size)
-    runnable, skipped = [], {}
-    for label, cfg in configs:
-        try:
-            cfg.check(world_size)
-            runnable.append(label)
-        except (ValueError, NotImplementedError) as exc:
-            skipped[label] = f"{type(exc).__name__}: {exc}"
-    with tempfile.TemporaryDirectory(prefix="dtlab-bench-") as tmp:
-        results = spawn(
-            _telemetry_rank, world_size, runnable, steps, overhead_steps, tmp,
-            timeout=300,
-        )  # fmt: skip
-    report = {"world_size": world_size, "steps": steps, "configs": {}}
-    for label, cfg in configs:
-        if label in skipped:
-            report["configs"][label] = {"error": skipped[label]}
-            continue
-        runs = [r["runs"][label] for r in results]
-        if isinstance(runs[0], dict):
-            report["configs"][label] = runs[0]
-            continue
-        events = [e for evs in runs for e in evs]
-        # per-step averages over the ranks and the steady-state steps
-        steady = set(range(1, steps)) or {0}
-        events += [
-            {"kind": "step", "rank": r, "step": s}
-            for r in range(world_size)
-            for s in range(steps)
-        ]
-        layout = cfg.resolve_layout(world_size)
-        mem = measured_memory(events) or {}
-        cats = ("params", "grads", "optimizer", "activations")
-        report["configs"][label] = {
-            "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
-            "strategy": cfg.strategy,
-            "bytes_measured": measured_traffic(events, steady),
-            "bytes_predicted": predicted_traffic(cfg, layout),
-            "memory_measured": {c: mem.get(c, 0) for c in cats},
-            "memory_predicted": {
-                c: v for c, v in predicted_memory(cfg, layout).items() if c in cats
-            },
-        }
-    report["overhead"] = {
-        "on_s": max(r["overhead"]["on"] for r in results),
-        "off_s": max(r["overhead"]["off"] for r in results),
-        "events_per_step": results[0]["overhead"]["events_per_step"],
-    }
-    return report
-
-
 # ---- running the parts ---------------------------------------------------------------
 def _run_part(part: str, s: dict):
-    if part == "ddp":
-        from dtlab.train import bench
+    """One part's raw results (fresh processes each)."""
+    from dtlab.bench import composed, ddp, pipeline, telemetry, tensor_parallel, zero
 
-        return bench("ddp", **s)
-    if part == "zero":
-        from dtlab.zero import bench
-
-        return bench(**s)
-    if part == "tp":
-        from dtlab.tensor_parallel import bench
-
-        return {"world_size": s.get("world_size", 2), **bench(**s)}
-    if part == "pp":
-        from dtlab.pipeline import bench
-
-        return bench(**s)
-    if part == "2d":
-        from dtlab.parallelize import bench
-
-        return bench(**s)
-    if part == "telemetry":
-        return bench_telemetry(**s)
-    raise ValueError(f"unknown part {part!r}: expected some of {PARTS}")
+    runners = {
+        "ddp": ddp.run,
+        "zero": zero.run,
+        "tp": lambda **s: {"world_size": s.get("world_size", 2),
+                           **tensor_parallel.run(**s)},
+        "pp": pipeline.run,
+        "2d": composed.run,
+        "telemetry": telemetry.run,
+    }  # fmt: skip
+    if part not in runners:
+        raise ValueError(f"unknown part {part!r}: expected some of {PARTS}")
+    return runners[part](**s)
 
 
-def collect(quick: bool = False, parts=PARTS, *, echo: bool = True) -> dict:
+def collect(
+    quick: bool = False, parts=PARTS, *, steps: int | None = None, echo: bool = True
+) -> dict:
     """Run each part (fresh processes each); a part that fails is reported with its
-    error, and the others still run. Returns ``{part: result or {"error": ...}}``."""
+    error, and the others still run. ``steps`` overrides every part's number of
+    timed steps. Returns ``{part: result or {"error": ...}}``."""
     settings = _settings(quick)
+    if steps is not None:
+        settings = {k: {**v, "steps": steps} for k, v in settings.items()}
     results, seconds = {}, {}
     for part in parts:
         if part not in PARTS:
@@ -447,54 +307,3 @@ def _json_safe(x):
     if isinstance(x, float | int | str | bool) or x is None:
         return x
     return str(x)
-
-
-def main(argv=None) -> int:
-    """``dtlab bench [--quick] [--only P,...] [--json PATH] [--plot PATH.png]``."""
-    p = argparse.ArgumentParser(
-        prog="dtlab bench",
-        description="Every comparison in one run: dtlab against PyTorch's own DDP, "
-        "ZeroRedundancyOptimizer, FSDP2, DTensor TP and pipelining, and "
-        "measurements against dtlab.estimate; one table. (`dtlab bench "
-        "ddp|zero|tp|pp` runs one comparison with its own table.)",
-    )
-    p.add_argument("--quick", action="store_true", help="a small, fast run")
-    p.add_argument(
-        "--only", default=",".join(PARTS),
-        help=f"comma-separated parts to run (default: all of {','.join(PARTS)})",
-    )  # fmt: skip
-    p.add_argument("--out", default=".", help="folder for bench.json (default: .)")
-    p.add_argument("--json", default=None, help="JSON path (default: OUT/bench.json)")
-    p.add_argument("--plot", default=None, help="draw the table into this PNG")
-    a = p.parse_args(argv)
-    parts = [x.strip() for x in a.only.split(",") if x.strip()]
-    unknown = [x for x in parts if x not in PARTS]
-    if unknown:
-        print(f"dtlab bench: unknown part(s) {unknown}: choose from {', '.join(PARTS)}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    if a.plot and not a.plot.endswith(".png"):
-        print("dtlab bench: --plot writes a PNG: give a path ending in .png",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    collected = collect(a.quick, parts)
-    rep = report(collected)
-    print(format_table(rep["rows"]))
-    path = a.json or os.path.join(a.out, "bench.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(rep, f, indent=1)
-    print(f"wrote {path}")
-    if a.plot:
-        from dtlab.lab.benchplot import write_png
-
-        print(f"wrote {write_png(rep['rows'], a.plot)}")
-    failed = [k for k, v in collected["results"].items() if "error" in v]
-    for k in failed:
-        print(f"dtlab bench: part {k} failed:\n{collected['results'][k]['traceback']}",
-              file=sys.stderr)  # fmt: skip
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,101 @@
+"""``dtlab bench zero``: dtlab's ZeRO stages against PyTorch's ZeRO-1 (DDP +
+``ZeroRedundancyOptimizer``) and FSDP2 ``fully_shard``, and dtlab's peak bytes per
+stage (chapter 03)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from dtlab import comm, memory
+from dtlab.zero import STAGES, FullyShardedDataParallel
+
+__all__ = ["run"]
+
+
+def _on_rank(config, steps: int, warmup: int, micro_batch: int) -> list[dict]:
+    """On every rank: step time of dtlab's stages next to PyTorch's ZeRO-1
+    (DDP + ZeroRedundancyOptimizer) and FSDP2, and dtlab's peak bytes per stage."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dtlab.model import GPT, SyntheticTokens
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    data = SyntheticTokens(config.vocab_size, config.seq_len)
+    adamw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+    def torch_zero1():
+        model = DistributedDataParallel(GPT(config))
+        return model, ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, **adamw
+        )
+
+    def torch_fsdp2():
+        model, mesh = GPT(config), DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), **adamw)
+
+    def ours(stage):
+        def build():
+            model = FullyShardedDataParallel(GPT(config), stage=stage)
+            return model, torch.optim.AdamW(model.parameters(), **adamw)
+
+        return build
+
+    variants = [
+        ("torch ZeRO-1", torch_zero1, False),
+        ("torch FSDP2", torch_fsdp2, False),
+    ]
+    variants += [(f"dtlab stage {s}", ours(s), True) for s in STAGES]
+    rows = []
+    for name, build, track in variants:
+        model, opt = build()
+        tracker = memory.MemoryTracker(model, opt) if track else None
+        times = []
+        for step in range(warmup + steps):
+            x, y = data.shard(step, micro_batch * n, r, n)
+            comm.barrier()  # every rank starts the step together
+            t0 = time.perf_counter()
+            for phase in ("forward", "backward", "step"):
+                with tracker.phase(phase) if tracker else nullcontext():
+                    if phase == "forward":
+                        _, loss = model(x, y)
+                    elif phase == "backward":
+                        loss.backward()
+                    else:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            if step >= warmup:
+                times.append(time.perf_counter() - t0)
+        rows.append(
+            dict(
+                variant=name,
+                world_size=n,
+                step_s=sorted(times)[len(times) // 2],
+                peak_bytes=tracker.peak() if tracker else None,
+            )
+        )
+    return rows
+
+
+def run(world_sizes=(2, 4), *, steps: int = 10, warmup: int = 3, micro_batch=4):
+    """Step time of dtlab's ZeRO stages against PyTorch's ZeroRedundancyOptimizer and
+    FSDP2 on fresh processes, and dtlab's peak bytes per rank per stage. A
+    benchmark, not a test: the times depend on the machine."""
+    from dtlab.launch import spawn
+    from dtlab.model import GPTConfig
+
+    config = GPTConfig(vocab_size=256, seq_len=64, n_layers=4, n_heads=4, d_model=128)
+    rows = []
+    for n in world_sizes:
+        rows += spawn(_on_rank, n, config, steps, warmup, micro_batch, timeout=300)[0]
+    return rows
