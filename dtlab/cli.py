@@ -82,7 +82,7 @@ def _has_module(name: str) -> bool:
 def _info(args) -> int:
     import torch
 
-    from dtlab.lab.cluster import max_cpu_world_size
+    from dtlab.launch import max_cpu_world_size
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     print(f"torch {torch.__version__}")

@@ -63,6 +63,13 @@ class RankError(RuntimeError):
         super().__init__(text)
 
 
+def max_cpu_world_size(cpus: int | None = None) -> int:
+    """How many CPU processes (ranks on gloo) a machine of ``cpus`` cores (this one
+    by default) can run: ranks may outnumber cores (each runs one torch thread, and
+    chapter 07 runs 8 on 2 cores), but not by far."""
+    return max(8, 4 * (cpus or os.cpu_count() or 1))
+
+
 def single_host_env() -> None:
     """Environment for a single-host world: gloo on the loopback interface."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

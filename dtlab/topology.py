@@ -27,14 +27,9 @@ import itertools
 import weakref
 from dataclasses import dataclass, field
 
+from dtlab.checks import divisors, positive_int
+
 AXES = ("pp", "dp", "tp")  # slowest -> fastest varying
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
 
 
 @dataclass(frozen=True)
@@ -47,7 +42,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         for axis in AXES:
-            _check_positive(axis, getattr(self, axis))
+            positive_int(axis, getattr(self, axis))
 
     # ---- sizes ------------------------------------------------------------------
     @property
@@ -114,7 +109,7 @@ class Layout:
           (GPipe runs with fewer, just with a larger bubble).
         """
         if world_size is not None:
-            _check_positive("world_size", world_size)
+            positive_int("world_size", world_size)
             if self.world_size != world_size:
                 raise ValueError(
                     f"layout dp={self.dp} x tp={self.tp} x pp={self.pp} = "
@@ -127,7 +122,7 @@ class Layout:
                 "gives each rank whole attention heads; pick tp from "
                 f"{divisors(n_heads)}"
             )
-        _check_positive("chunks", chunks)
+        positive_int("chunks", chunks)
         if n_layers is not None and n_layers % (self.pp * chunks):
             what = f"pp={self.pp}" + (f" x chunks={chunks}" if chunks > 1 else "")
             per = "pp x chunks" if chunks > 1 else "pp"
@@ -137,7 +132,7 @@ class Layout:
                 f"{divisors(n_layers)}"
             )
         if microbatches is not None:
-            _check_positive("microbatches", microbatches)
+            positive_int("microbatches", microbatches)
             if schedule and schedule.lower() != "gpipe" and microbatches < self.pp:
                 raise ValueError(
                     f"schedule {schedule!r} needs microbatches >= pp ({self.pp}), got "
@@ -158,14 +153,10 @@ def _check_axis(axis: str) -> None:
         raise ValueError(f"unknown axis {axis!r}: expected one of {AXES}")
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def layouts_for(world_size: int, **model) -> list[Layout]:
     """Every ``Layout`` with this world size that passes :meth:`Layout.validate`
     for the given model facts (``n_layers``, ``n_heads``, ...)."""
-    _check_positive("world_size", world_size)
+    positive_int("world_size", world_size)
     out = []
     for tp in divisors(world_size):
         for pp in divisors(world_size // tp):
@@ -180,7 +171,7 @@ def layouts_for(world_size: int, **model) -> list[Layout]:
 
 def padded_vocab(vocab_size: int, tp: int, multiple: int = 1) -> int:
     """Vocabulary size rounded up so every tp rank holds the same number of rows."""
-    _check_positive("vocab_size", vocab_size)
+    positive_int("vocab_size", vocab_size)
     step = tp * multiple
     return -(-vocab_size // step) * step
 

@@ -66,7 +66,7 @@ import weakref
 from collections.abc import Callable
 
 from dtlab.lab import engine as _engine
-from dtlab.launch import RankError, rank_error
+from dtlab.launch import RankError, max_cpu_world_size, rank_error
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # clusters started by this process
@@ -78,13 +78,6 @@ class _WorldDown(RuntimeError):
 
 class EngineDied(RuntimeError):
     """An engine process exited while the cluster was using it."""
-
-
-def max_cpu_world_size(cpus: int | None = None) -> int:
-    """How many CPU engines a machine of ``cpus`` cores (this one by default) can
-    give: engines may outnumber cores (each runs one torch thread, and chapter 07
-    runs 8 on 2 cores), but not by far."""
-    return max(8, 4 * (cpus or os.cpu_count() or 1))
 
 
 class LabCluster:
