@@ -35,21 +35,23 @@ import contextlib
 import torch
 
 from dtlab import telemetry
+from dtlab.current import Current
+from dtlab.events import HOST_CATEGORIES, MEMORY_CATEGORIES, STATE_CATEGORIES, Kind
 
 __all__ = [
     "CATEGORIES",
     "HOST_CATEGORIES",
     "MemoryTracker",
+    "SavedBytes",
     "model_state_tensors",
     "count_bytes",
+    "nbytes",
     "current",
     "use",
     "memory_events",
 ]
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
-HOST_CATEGORIES = ("host_params", "host_grads", "host_optimizer")
-_STATE_CATEGORIES = ("params", "grads", "optimizer", "buffers", *HOST_CATEGORIES)
+CATEGORIES = MEMORY_CATEGORIES  # the names of dtlab.events, kept here for callers
 
 
 def model_state_tensors(model=None, optimizer=None):
@@ -69,6 +71,11 @@ def model_state_tensors(model=None, optimizer=None):
                     yield "optimizer", v
 
 
+def nbytes(t: torch.Tensor | None) -> int:
+    """Bytes of a tensor's elements (0 for ``None``); a view counts its own size."""
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 def _storage(t: torch.Tensor) -> tuple[int, int]:
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
@@ -77,12 +84,12 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 def count_bytes(pairs) -> dict[str, int]:
     """Bytes per category, each storage counted once (under the first category
     that names it)."""
-    out = dict.fromkeys(_STATE_CATEGORIES, 0)
+    out = dict.fromkeys(STATE_CATEGORIES, 0)
     seen = set()
     for category, t in pairs:
         if category not in out:
             raise ValueError(
-                f"unknown memory category {category!r}: use one of {_STATE_CATEGORIES}"
+                f"unknown memory category {category!r}: use one of {STATE_CATEGORIES}"
             )
         ptr, nbytes = _storage(t)
         if nbytes == 0 or ptr in seen:
@@ -92,52 +99,106 @@ def count_bytes(pairs) -> dict[str, int]:
     return out
 
 
-class _Saved:
-    """What autograd keeps instead of a saved tensor while we count it."""
+class _Held:
+    """What autograd keeps instead of a saved tensor while a live counter runs: its
+    ``__del__`` tells the counter when autograd drops it (after its backward)."""
 
     __slots__ = ("tensor", "key", "counter")
 
     def __init__(self, tensor, key, counter):
         self.tensor, self.key, self.counter = tensor, key, counter
 
-    def __del__(self):  # autograd dropped it: after its backward ran
-        self.counter._release(self.key)
+    def __del__(self):
+        self.counter.release(self.key)
 
 
-class _ActivationCounter:
-    """Live bytes of the storages autograd saved for backward."""
+class SavedBytes:
+    """The bytes autograd saves for backward (the *activations*), seen through
+    ``torch.autograd.graph.saved_tensors_hooks`` while the counter is entered.
 
-    def __init__(self, on_change):
-        self.live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
+    Each storage counts once, however many saved tensors view it; weights are not
+    activations and are left out:
+
+    - ``weights``: tensors whose storages are weights, or a callable returning them.
+      A callable is asked again for every storage not seen yet, because weights can
+      move (ZeRO-3 gathers a unit's weights into fresh memory before its forward).
+    - ``skip_params=True`` also leaves out every leaf tensor that requires grad
+      (a parameter, whichever module owns it).
+
+    ``live=False`` (the default) counts what one forward saves: :attr:`bytes` starts
+    from 0 at each ``with`` and :attr:`peak` is the largest forward seen.
+    ``live=True`` counts what autograd *still* holds: a storage stops counting when
+    autograd drops its last saved tensor (after its backward ran), and the count
+    carries across ``with`` blocks. ``on_new(nbytes)`` is called for every storage
+    newly counted (to attribute it to a block, or to sample a peak).
+
+    Saved-tensor hooks are per thread: enter the counter in the thread that runs the
+    forward.
+    """
+
+    def __init__(self, weights=(), *, skip_params=False, live=False, on_new=None):
+        self._weights = weights if callable(weights) else list(weights)
+        self.skip_params = skip_params
+        self.live = live
+        self.on_new = on_new
         self.bytes = 0
-        self.on_change = on_change
+        self.peak = 0
+        self.held: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
+        self._ctx = None
 
-    def pack(self, t):
-        base = t._base if t._base is not None else t
-        if base.is_leaf and base.requires_grad:  # a parameter, counted as such
-            return t
+    def _weight_ptrs(self) -> set[int]:
+        weights = self._weights() if callable(self._weights) else self._weights
+        return {w.untyped_storage().data_ptr() for w in weights}
+
+    def _pack(self, t):
+        if self.skip_params:
+            base = t._base if t._base is not None else t
+            if base.is_leaf and base.requires_grad:  # a parameter, counted as such
+                return t
         ptr, nbytes = _storage(t)
-        entry = self.live.get(ptr)
+        entry = self.held.get(ptr)
         if entry is None:
-            self.live[ptr] = [nbytes, 1]
+            if ptr in self._weight_ptrs():
+                return t
+            self.held[ptr] = entry = [nbytes, 0]
             self.bytes += nbytes
-            self.on_change()
-        else:
-            entry[1] += 1
-        return _Saved(t, ptr, self)
+            if self.on_new is not None:
+                self.on_new(nbytes)
+        if not self.live:
+            return t
+        entry[1] += 1
+        return _Held(t, ptr, self)
 
     @staticmethod
-    def unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Held) else saved
 
-    def _release(self, ptr):
-        entry = self.live.get(ptr)
+    def release(self, ptr: int) -> None:
+        """Autograd dropped one saved tensor of storage ``ptr`` (live counting)."""
+        entry = self.held.get(ptr)
         if entry is None:
             return
         entry[1] -= 1
         if entry[1] == 0:
             self.bytes -= entry[0]
-            del self.live[ptr]
+            del self.held[ptr]
+
+    @property
+    def ptrs(self) -> set[int]:
+        """The storages counted (and, when live, still held)."""
+        return set(self.held)
+
+    def __enter__(self):
+        if not self.live:
+            self.bytes, self.held = 0, {}
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        self._ctx = None
+        self.peak = max(self.peak, self.bytes)
 
 
 class MemoryTracker:
@@ -167,7 +228,9 @@ class MemoryTracker:
             if cuda is None and model is not None
             else bool(cuda)
         )
-        self.activations = _ActivationCounter(self.update)
+        self.activations = SavedBytes(
+            skip_params=True, live=True, on_new=lambda _: self.update()
+        )
         self.records: list[dict] = []
         self._peak: dict[str, int] = {}
         self.enabled = True
@@ -196,10 +259,7 @@ class MemoryTracker:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self.update()
-        hooks = torch.autograd.graph.saved_tensors_hooks(
-            self.activations.pack, self.activations.unpack
-        )
-        with use(self), hooks:
+        with use(self), self.activations:
             yield self
         end = self.update()
         record = {"phase": name, **end, "peak": self._peak["total"]}
@@ -227,27 +287,22 @@ class _Off:
 
 
 OFF = _Off()
-_active: list = [OFF]
+_in_force: Current = Current(OFF)  # see dtlab.current: process-wide
 
 
 def current():
     """The tracker whose phase is running (:data:`OFF` outside any phase)."""
-    return _active[0]
+    return _in_force.get()
 
 
-@contextlib.contextmanager
 def use(tracker):
-    previous = _active[0]
-    _active[0] = tracker
-    try:
-        yield tracker
-    finally:
-        _active[0] = previous
+    """``with use(tracker):`` makes ``tracker`` current for the body."""
+    return _in_force.use(tracker)
 
 
 def memory_events(events, *, phase=None, step=None, rank=None) -> list[dict]:
     """The ``memory`` events among telemetry ``events``, optionally filtered."""
-    out = [e for e in events if e.get("kind") == "memory"]
+    out = [e for e in events if e.get("kind") == Kind.MEMORY]
     for key, value in (("phase", phase), ("step", step), ("rank", rank)):
         if value is not None:
             out = [e for e in out if e.get(key) == value]

@@ -50,6 +50,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dtlab.memory import SavedBytes
+
 __all__ = [
     "MODES",
     "apply_activation_checkpointing",
@@ -218,34 +220,27 @@ def checkpointing_mode(module: nn.Module) -> str:
 
 
 # ---- measuring it --------------------------------------------------------------------
-class _BlockSavedBytes:
-    """Bytes autograd saves for backward during a forward, counted by saved-tensor
-    hooks the way :class:`dtlab.train._SavedBytes` counts them (weights excluded,
-    each storage once), and attributed to the block whose forward saved them first
-    (the rest, embeddings/head/loss, to ``"other"``)."""
+class BlockSavedBytes:
+    """The bytes autograd saves for backward during a forward
+    (:class:`dtlab.memory.SavedBytes`: weights excluded, each storage once),
+    attributed to the block whose forward saved them first (the rest: embeddings,
+    head and loss, to :attr:`other`)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.blocks = _blocks(module)
-        self._skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
         self.per_block = [0] * len(self.blocks)
         self.other = 0
         self._current: int | None = None
+        self._saved = SavedBytes(list(module.parameters()), on_new=self._attribute)
+
+    def _attribute(self, nbytes: int) -> None:
+        if self._current is None:
+            self.other += nbytes
+        else:
+            self.per_block[self._current] += nbytes
 
     @contextmanager
     def counting(self):
-        seen = set(self._skip)
-
-        def pack(t):
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                n = t.untyped_storage().nbytes()
-                if self._current is None:
-                    self.other += n
-                else:
-                    self.per_block[self._current] += n
-            return t
-
         def enter(i):
             def hook(mod, args):
                 self._current = i
@@ -260,7 +255,7 @@ class _BlockSavedBytes:
             handles.append(block.register_forward_pre_hook(enter(i)))
             handles.append(block.register_forward_hook(leave))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with self._saved:
                 yield self
         finally:
             for h in handles:
@@ -302,7 +297,7 @@ def measure_activation_memory(
     before = checkpointing_mode(model)
     apply_activation_checkpointing(model, mode)
     try:
-        counter = _BlockSavedBytes(model)
+        counter = BlockSavedBytes(model)
         t0 = time.perf_counter()
         with counter.counting():
             loss = _loss_of(model, x, y)

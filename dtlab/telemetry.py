@@ -31,6 +31,8 @@ import os
 import threading
 import time
 
+from dtlab.current import Current
+
 clock = time.perf_counter  # for throttling; event times use the wall clock below
 
 
@@ -124,31 +126,22 @@ class _Off(Recorder):
 
 
 OFF = _Off()
-# Process-wide, not thread-local: autograd runs backward hooks (where gradient
-# collectives start) on its own threads on GPU, and those must record too.
-_active: list[Recorder] = [OFF]
+_in_force: Current[Recorder] = Current(OFF)  # see dtlab.current: process-wide
 
 
 def current() -> Recorder:
     """The recorder in force in this process (:data:`OFF` unless one is in use)."""
-    return _active[0]
+    return _in_force.get()
 
 
-@contextlib.contextmanager
 def use(recorder: Recorder):
-    """Make ``recorder`` current for the ``with`` body (restores the previous one)."""
-    previous = _active[0]
-    _active[0] = recorder
-    try:
-        yield recorder
-    finally:
-        _active[0] = previous
+    """``with use(recorder):`` makes ``recorder`` current for the body."""
+    return _in_force.use(recorder)
 
 
 def install(recorder: Recorder) -> Recorder:
     """Make ``recorder`` current until replaced (for long-lived engine processes)."""
-    _active[0] = recorder
-    return recorder
+    return _in_force.set(recorder)
 
 
 # ---- sinks ------------------------------------------------------------------------
