@@ -77,11 +77,6 @@ class Policy:
     def has_master_copy(self) -> bool:
         return self.compute_dtype != self.master_dtype
 
-    @property
-    def estimate_precision(self) -> str:
-        """The matching precision name in :mod:`dtlab.estimate`."""
-        return "fp32" if not self.has_master_copy else "mixed"
-
     def scaler(self, **kwargs) -> LossScaler:
         """A loss scaler for this policy (one that does nothing unless fp16)."""
         return LossScaler(enabled=self.loss_scaling, **kwargs)
@@ -109,7 +104,7 @@ def bytes_per_param(name: str | Policy, optimizer: str = "adam"):
     """Bytes per parameter of model state under a policy (2 + 2 + K = 16 for
     mixed-precision Adam, 4 + 4 + 8 = 16 for fp32 Adam): see
     :func:`dtlab.estimate.bytes_per_param`."""
-    return estimate.bytes_per_param(policy(name).estimate_precision, optimizer)
+    return estimate.bytes_per_param(policy(name).name, optimizer)
 
 
 class LossScaler:

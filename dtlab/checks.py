@@ -6,7 +6,7 @@ that names it, before any process starts or any collective is called.
 
 from __future__ import annotations
 
-__all__ = ["integer", "positive_int", "divisors"]
+__all__ = ["integer", "positive_int", "one_of", "divisors"]
 
 
 def integer(name: str, value, low: int = 0) -> int:
@@ -26,6 +26,17 @@ def integer(name: str, value, low: int = 0) -> int:
 def positive_int(name: str, value) -> int:
     """``value`` if it is an ``int`` >= 1; else a ``ValueError`` naming ``name``."""
     return integer(name, value, 1)
+
+
+def one_of(what: str, value, allowed, aliases=None) -> str:
+    """The canonical spelling of ``value`` among ``allowed`` (case-insensitive,
+    ``aliases`` mapping other spellings to it); else a ``ValueError`` listing the
+    choices."""
+    key = str(value).lower()
+    key = (aliases or {}).get(key, key)
+    if key not in allowed:
+        raise ValueError(f"unknown {what} {value!r}: expected one of {tuple(allowed)}")
+    return key
 
 
 def divisors(n: int) -> list[int]:

@@ -14,7 +14,10 @@ from dtlab.estimate import GB
         ("fp32", "adam", (4, 4, 8)),
         ("mixed", "adam", (2, 2, 12)),  # ZeRO §3: K = 12
         ("mixed", "adamw", (2, 2, 12)),
-        ("bf16", "adam", (2, 2, 4)),
+        ("pure_bf16", "adam", (2, 2, 4)),
+        # a run's precision names mean what such a run keeps (dtlab.events)
+        ("bf16", "adam", (2, 2, 12)),
+        ("fp16", "adam", (2, 2, 12)),
         ("fp32", "sgd", (4, 4, 0)),
         ("fp32", "sgd_momentum", (4, 4, 4)),
         ("mixed", "sgd", (2, 2, 4)),

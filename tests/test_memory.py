@@ -221,7 +221,7 @@ def test_estimates_reduce_to_the_paper():
     psi, n = 7.5e9, 64  # the ZeRO paper's Figure 1 example
     for stage in (0, 1, 2, 3):
         n_s = n if stage else 1
-        for precision in ("fp32", "mixed", "bf16"):
+        for precision in ("fp32", "mixed", "pure_bf16"):
             ours = estimate.zero_states_per_rank(psi, n, stage, precision)
             paper = estimate.zero_memory_per_device(psi, n, stage, precision)
             assert ours["params"] == paper["params"]

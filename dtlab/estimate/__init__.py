@@ -32,12 +32,11 @@ chapter 04), ``zero`` (what dtlab.zero holds and sends; chapter 03), ``layouts``
 (memory and traffic of a dp x tp x pp x cp x ep layout; chapter 09),
 ``techniques`` (recomputation, offload; chapter 08), ``serving`` (weights, KV
 cache; chapter 09) and ``planner`` (step time, :func:`plan`; chapter 09). Every
-name, private helpers included, is re-exported here: ``from dtlab.estimate import
-X`` works whichever submodule defines X.
+public name is re-exported here: ``from dtlab.estimate import X`` works whichever
+submodule defines X.
 """
 
-# Every name of the old single module is re-exported, the private helpers too
-# (code written against it may reach them), so no import here is unused.
+# Every public name of the submodules is re-exported, so no import here is unused.
 # ruff: noqa: F401
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ from dtlab.estimate.activations import (
 from dtlab.estimate.collectives import (
     COLLECTIVES,
     AlphaBeta,
-    _check_collective,
     bus_bandwidth,
     bus_bandwidth_factor,
     collective_time,
@@ -70,34 +68,20 @@ from dtlab.estimate.hardware import (
 )
 from dtlab.estimate.layouts import (
     Parallelism,
-    _check_count,
-    _dense_count,
-    _padded_count,
-    _schedule_key,
-    _stage_layers,
-    _stage_memory,
-    _stage_traffic,
-    _state_precision,
-    _value_bytes,
     as_parallelism,
     layout_memory,
     layout_traffic,
     stage_params,
 )
 from dtlab.estimate.models import (
-    _CUSTOM_ALIASES,
     MODELS,
     MOE_MODELS,
     ModelPreset,
-    _check_spec,
-    _layer_params,
-    _mlp_params,
     model_params,
     model_spec,
 )
 from dtlab.estimate.pipeline import (
     PIPELINE_SCHEDULES,
-    _check_pipeline,
     pipeline_bubble_fraction,
     pipeline_bubble_ratio,
     pipeline_in_flight,
@@ -107,10 +91,6 @@ from dtlab.estimate.planner import (
     ClusterSpec,
     Plan,
     PlanRow,
-    _divisors,
-    _flops_d_ff,
-    _price,
-    _why_not,
     layout_step_time,
     plan,
 )
@@ -119,13 +99,10 @@ from dtlab.estimate.serving import (
     serving_memory,
 )
 from dtlab.estimate.states import (
-    _OPTIMIZER_ALIASES,
-    _PRECISION_ALIASES,
     GB,
     OPTIMIZERS,
     PRECISIONS,
     BytesPerParam,
-    _norm_choice,
     bytes_per_param,
     zero_memory_per_device,
 )

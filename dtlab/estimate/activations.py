@@ -9,7 +9,7 @@ measured peaks.
 
 from __future__ import annotations
 
-from dtlab.estimate.states import _norm_choice
+from dtlab.checks import one_of
 
 # ---- activations ---------------------------------------------------------------------
 RECOMPUTE = ("none", "selective", "full")
@@ -58,7 +58,7 @@ def activation_bytes_per_layer(
             raise ValueError(f"{name} must be positive, got {value}")
     if bytes_per_value <= 0:
         raise ValueError(f"bytes_per_value must be positive, got {bytes_per_value}")
-    recompute = _norm_choice(recompute, RECOMPUTE, {}, "recompute mode")
+    recompute = one_of("recompute mode", recompute, RECOMPUTE)
     s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
     sbh = s * b * h
     scores = 0.0 if recompute == "selective" else 5 * a * s / h

@@ -12,13 +12,8 @@ from dataclasses import dataclass
 
 from dtlab.estimate.activations import activation_bytes
 from dtlab.estimate.models import MODELS, ModelPreset
-from dtlab.estimate.states import (
-    _PRECISION_ALIASES,
-    GB,
-    PRECISIONS,
-    _norm_choice,
-    zero_memory_per_device,
-)
+from dtlab.estimate.states import GB, zero_memory_per_device
+from dtlab.events import state_precision
 
 
 # ---- GPUs ----------------------------------------------------------------------------
@@ -67,9 +62,7 @@ def memory_per_device(
     states = zero_memory_per_device(
         preset.n_params, world_size, stage, precision, optimizer
     )
-    fp32 = (
-        _norm_choice(precision, PRECISIONS, _PRECISION_ALIASES, "precision") == "fp32"
-    )
+    fp32 = state_precision(precision) == "fp32"
     acts = activation_bytes(
         preset.n_layers,
         seq_len or preset.seq_len,

@@ -14,13 +14,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dtlab.checks import one_of, positive_int
 from dtlab.estimate.activations import RECOMPUTE, activation_bytes_per_layer
 from dtlab.estimate.collectives import wire_bytes
-from dtlab.estimate.models import _layer_params, model_spec
-from dtlab.estimate.pipeline import PIPELINE_SCHEDULES, pipeline_in_flight
-from dtlab.estimate.states import _norm_choice, zero_memory_per_device
+from dtlab.estimate.models import layer_params, model_spec
+from dtlab.estimate.pipeline import pipeline_in_flight
+from dtlab.estimate.states import zero_memory_per_device
 from dtlab.estimate.tensor_parallel import tp_bytes_per_layer
 from dtlab.estimate.zero import zero_comm_per_step, zero_states_per_rank
+from dtlab.events import schedule_name, state_precision
 
 # ---- layouts: memory and traffic of a dp x tp x pp (x cp x ep) job (chapter 09) ------
 # The planner's building blocks. Every number below is one of the formulas above,
@@ -96,7 +98,7 @@ def as_parallelism(layout) -> Parallelism:
         ) from None
 
 
-def _stage_layers(n_layers: int, pp: int, stage: int) -> int:
+def stage_layers(n_layers: int, pp: int, stage: int) -> int:
     """Blocks on pipeline rank ``stage``: ``L/pp``, the first ``L mod pp`` ranks one
     more when pp does not divide L (Llama 3's 126 layers)."""
     return n_layers // pp + (1 if stage < n_layers % pp else 0)
@@ -119,10 +121,10 @@ def stage_params(model, layout, stage: int = 0) -> dict[str, float]:
     if not 0 <= stage < par.pp:
         raise ValueError(f"stage {stage} is outside 0..{par.pp - 1}")
     t, h = par.tp, spec.d_model
-    per = _layer_params(spec)
+    per = layer_params(spec)
     block = (per["dense"] - per["replicated"]) / t + per["replicated"]
     experts = per["experts"] / (t * par.ep)
-    layers = _stage_layers(spec.n_layers, par.pp, stage)
+    layers = stage_layers(spec.n_layers, par.pp, stage)
     first, last = stage == 0, stage == par.pp - 1
     vocab_rows = -(-spec.vocab_size // t) * h  # padded_vocab(V, t) / t rows
     root, vocab = 0.0, 0.0
@@ -144,7 +146,7 @@ def stage_params(model, layout, stage: int = 0) -> dict[str, float]:
     }
 
 
-def _dense_count(spec, par, sp, zero_stage: int) -> float:
+def sharded_dense_count(spec, par, sp, zero_stage: int) -> float:
     """Ψ of the stage's dense weights as dtlab shards them: under ZeRO every unit
     (each block, the rest; with a tied embedding across stages, the embedding or
     the head on its own, so the two copies' slices line up) padded to a multiple
@@ -164,37 +166,10 @@ def _padded_count(n: float, group: int) -> float:
     return math.ceil(n / group) * group
 
 
-def _state_precision(precision: str) -> str:
-    """Training precisions (dtlab.amp's names) -> :func:`bytes_per_param`'s policies:
-    16-bit compute keeps fp32 master weights, the paper's mixed precision."""
-    key = str(precision).lower()
-    table = {"fp32": "fp32", "bf16": "mixed", "fp16": "mixed", "mixed": "mixed"}
-    table["pure_bf16"] = "bf16"  # bf16 weights and states, no master copy
-    if key not in table:
-        raise ValueError(
-            f"unknown precision {precision!r}: expected 'fp32', 'bf16', 'fp16' "
-            "(both 16-bit modes keep fp32 master weights) or 'pure_bf16'"
-        )
-    return table[key]
-
-
-def _value_bytes(precision: str) -> int:
-    """Bytes of an activation, a gathered weight, a reduced gradient."""
-    return 4 if _state_precision(precision) == "fp32" else 2
-
-
-def _schedule_key(schedule: str) -> str:
-    key = str(schedule).lower().replace("_", "-")
-    if key not in PIPELINE_SCHEDULES:
-        raise ValueError(
-            f"unknown schedule {schedule!r}: expected one of {PIPELINE_SCHEDULES}"
-        )
-    return key
-
-
-def _check_count(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def value_bytes(precision: str) -> int:
+    """Bytes of an activation, a gathered weight, a reduced gradient: 4 under fp32,
+    2 under any 16-bit precision (:func:`dtlab.events.state_precision`)."""
+    return 4 if state_precision(precision) == "fp32" else 2
 
 
 def _stage_memory(
@@ -205,8 +180,8 @@ def _stage_memory(
     sp = stage_params(spec, par, stage)
     group = par.dp * par.cp  # replicas of every weight (ZeRO shards over them)
     expert_group = group // par.ep
-    policy = _state_precision(precision)
-    dense = _dense_count(spec, par, sp, zero_stage)
+    policy = state_precision(precision)
+    dense = sharded_dense_count(spec, par, sp, zero_stage)
     out = dict.fromkeys(("params", "grads", "optimizer"), 0.0)
     host = 0.0
     parts = [(dense, group)]
@@ -226,7 +201,7 @@ def _stage_memory(
             out[k] += st[k]
     # activations: Korthikanti per layer, for every microbatch (chunk) in flight
     s = seq_len or spec.seq_len
-    b, bpv = micro_batch_size, _value_bytes(precision)
+    b, bpv = micro_batch_size, value_bytes(precision)
     layer_kw = dict(tp=par.tp, sequence_parallel=sequence_parallel)
     per_layer = activation_bytes_per_layer(
         s, b, spec.d_model, spec.n_heads, recompute=checkpointing,
@@ -238,7 +213,7 @@ def _stage_memory(
             (spec.top_k - 1) * 19 * s * b * spec.d_model * bpv / 2 / (par.tp * par.cp)
         )
     if par.pp > 1:
-        key = _schedule_key(schedule)
+        key = schedule_name(schedule)
         v = chunks if key == "interleaved" else 1
         in_flight = pipeline_in_flight(par.pp, stage, microbatches, key, v)
         layers_in_flight = in_flight * sp["layers"] / v
@@ -318,14 +293,14 @@ def layout_memory(
         ("microbatches", microbatches),
         ("chunks", chunks),
     ):
-        _check_count(name, value)
+        positive_int(name, value)
     if states not in ("dtlab", "paper"):
         raise ValueError(f"states must be 'dtlab' or 'paper', got {states!r}")
     if offload and states == "paper":
         raise ValueError("offload is modelled with states='dtlab' only")
-    checkpointing = _norm_choice(checkpointing, RECOMPUTE, {}, "checkpointing")
+    checkpointing = one_of("checkpointing", checkpointing, RECOMPUTE)
     if par.pp > 1:
-        _schedule_key(schedule)
+        schedule_name(schedule)
     kw = dict(
         zero_stage=zero_stage, precision=precision,
         micro_batch_size=micro_batch_size, microbatches=microbatches,
@@ -345,7 +320,7 @@ def _stage_traffic(
     spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
     sequence_parallel, chunks, seq_len,
 ) -> dict[str, float]:  # fmt: skip
-    bpv = _value_bytes(precision)
+    bpv = value_bytes(precision)
     k, b = microbatches, micro_batch_size
     s = seq_len or spec.seq_len
     h = spec.d_model
@@ -353,7 +328,7 @@ def _stage_traffic(
     group = par.dp * par.cp
     out = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
     # dp (and cp: the same weights): gradients, and ZeRO's gathers
-    dense = _dense_count(spec, par, sp, zero_stage)
+    dense = sharded_dense_count(spec, par, sp, zero_stage)
     parts = [(dense, group)]
     if sp["experts"]:
         parts.append((sp["layers"] * sp["experts"], group // par.ep))
@@ -391,7 +366,7 @@ def _stage_traffic(
         if sequence_parallel:
             # the replicated weights of the sequence-split regions (norms,
             # row-parallel biases, positions) get their gradients summed over tp
-            repl = sp["layers"] * _layer_params(spec)["replicated"]
+            repl = sp["layers"] * layer_params(spec)["replicated"]
             if first and spec.learned_positions:
                 repl += s * h
             if last and spec.layernorm:
@@ -409,7 +384,7 @@ def _stage_traffic(
             rows = -(-spec.vocab_size // par.tp) * h
             payload = rows * bpv
             if zero_stage >= 1:
-                master = 2 if _state_precision(precision) == "bf16" else 4
+                master = 2 if state_precision(precision) == "pure_bf16" else 4
                 payload = _padded_count(rows, group) / group * master
             out["pp"] += wire_bytes("all_reduce", payload, 2)
     if par.cp > 1:
@@ -470,10 +445,10 @@ def layout_traffic(
         ("microbatches", microbatches),
         ("chunks", chunks),
     ):
-        _check_count(name, value)
-    _value_bytes(precision)
+        positive_int(name, value)
+    value_bytes(precision)
     if par.pp > 1:
-        _schedule_key(schedule)  # every schedule moves the same bytes
+        schedule_name(schedule)  # every schedule moves the same bytes
     kw = dict(
         zero_stage=zero_stage, precision=precision,
         micro_batch_size=micro_batch_size, microbatches=microbatches,

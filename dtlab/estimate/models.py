@@ -226,7 +226,7 @@ def _mlp_params(spec: ModelPreset) -> int:
     return n
 
 
-def _layer_params(spec: ModelPreset) -> dict[str, float]:
+def layer_params(spec: ModelPreset) -> dict[str, float]:
     """One block's parameters: ``dense`` (attention, norms and, without experts, the
     MLP), ``experts`` (all experts' MLPs), ``replicated`` (what tp does not split:
     LayerNorms and the row-parallel layers' biases, Megatron §3)."""

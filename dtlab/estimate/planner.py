@@ -12,28 +12,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtlab.checks import divisors, one_of, positive_int
 from dtlab.estimate.activations import RECOMPUTE
 from dtlab.estimate.collectives import collective_time
 from dtlab.estimate.hardware import GPU, GPUS
 from dtlab.estimate.layouts import (
     Parallelism,
-    _check_count,
-    _dense_count,
-    _schedule_key,
-    _stage_layers,
-    _value_bytes,
     as_parallelism,
     layout_memory,
     layout_traffic,
+    sharded_dense_count,
+    stage_layers,
     stage_params,
+    value_bytes,
 )
 from dtlab.estimate.models import ModelPreset, model_spec
 from dtlab.estimate.pipeline import pipeline_step_time
-from dtlab.estimate.states import GB, _norm_choice
+from dtlab.estimate.states import GB
 from dtlab.estimate.techniques import offload_bytes_per_step, recompute_overhead
 from dtlab.estimate.tensor_parallel import LINKS, Link, tp_layer_flops, tp_step_time
 from dtlab.estimate.training_time import training_flops
 from dtlab.estimate.zero import zero_comm_per_step
+from dtlab.events import schedule_name
 
 
 # ---- the planner: which layouts fit, and what a step costs (chapter 09) --------------
@@ -55,8 +55,8 @@ class ClusterSpec:
     host_Bps: float = 100e9
 
     def __post_init__(self) -> None:
-        _check_count("n_gpus", self.n_gpus)
-        _check_count("gpus_per_node", self.gpus_per_node)
+        positive_int("n_gpus", self.n_gpus)
+        positive_int("gpus_per_node", self.gpus_per_node)
 
     def link(self, span: int) -> Link:
         """The link of a group whose ranks span ``span`` consecutive ranks."""
@@ -122,10 +122,6 @@ class Plan:
         return [r.as_dict() for r in rows[:n]]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _flops_d_ff(spec: ModelPreset) -> float:
     """The ``d_ff`` that makes :func:`tp_layer_flops`' two-matrix MLP count a
     gated MLP's three matrices and a MoE's ``top_k`` experts per token."""
@@ -179,15 +175,15 @@ def layout_step_time(
     if not 0 <= dp_overlap <= 1:
         raise ValueError(f"dp_overlap must be in [0, 1], got {dp_overlap}")
     s = seq_len or spec.seq_len
-    b, m, bpv = micro_batch_size, microbatches, _value_bytes(precision)
+    b, m, bpv = micro_batch_size, microbatches, value_bytes(precision)
     h, t = spec.d_model, par.tp
-    key = _schedule_key(schedule) if par.pp > 1 else "1f1b"
+    key = schedule_name(schedule) if par.pp > 1 else "1f1b"
     v = chunks if key == "interleaved" else 1
     rate = gpu.peak_bf16_flops * mfu
-    layers = _stage_layers(spec.n_layers, par.pp, 0)  # the most loaded stage
+    layers = stage_layers(spec.n_layers, par.pp, 0)  # the most loaded stage
     # compute of one micro-batch through this stage
     layer_flops = tp_layer_flops(b, s, h, _flops_d_ff(spec)) / (t * par.cp)
-    checkpointing = _norm_choice(checkpointing, RECOMPUTE, {}, "checkpointing")
+    checkpointing = one_of("checkpointing", checkpointing, RECOMPUTE)
     # chapter 08's price of recomputation, a share of the layer's 3F
     recompute = recompute_overhead(checkpointing, s, h) * layer_flops
     flops = layers * (layer_flops + recompute)
@@ -238,7 +234,7 @@ def layout_step_time(
     group = par.dp * par.cp
     dp_s = 0.0
     sp0 = stage_params(spec, par, 0)
-    parts = [(_dense_count(spec, par, sp0, zero_stage), group)]
+    parts = [(sharded_dense_count(spec, par, sp0, zero_stage), group)]
     if sp0["experts"]:
         parts.append((sp0["layers"] * sp0["experts"], group // par.ep))
     per_mb = m if zero_stage >= 2 else 1
@@ -336,7 +332,7 @@ def plan(
         cluster = ClusterSpec(n_gpus)
     elif n_gpus is not None and n_gpus != cluster.n_gpus:
         raise ValueError(f"n_gpus={n_gpus} but the cluster has {cluster.n_gpus}")
-    _check_count("global_batch", global_batch)
+    positive_int("global_batch", global_batch)
     if not 0 <= memory_reserve < 1:
         raise ValueError(f"memory_reserve must be in [0, 1), got {memory_reserve}")
     s = seq_len or spec.seq_len
@@ -345,10 +341,10 @@ def plan(
     max_tp = max_tp or 2 * cluster.gpus_per_node
     fits, rejected = [], []
     for cp in cp_options:
-        for tp in _divisors(world):
+        for tp in divisors(world):
             if tp > max_tp or spec.n_heads % tp or world % (tp * cp):
                 continue
-            for pp in _divisors(world // (tp * cp)):
+            for pp in divisors(world // (tp * cp)):
                 if pp > spec.n_layers:
                     continue
                 dp = world // (tp * cp * pp)
@@ -398,7 +394,7 @@ def _price(
             continue
         m = int(per_rank)
         for sched in schedules:
-            v = chunks if _schedule_key(sched) == "interleaved" else 1
+            v = chunks if schedule_name(sched) == "interleaved" else 1
             if v > 1 and (m % par.pp or spec.n_layers < par.pp * v):
                 continue
             for ck in checkpointing:

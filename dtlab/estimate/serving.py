@@ -5,7 +5,7 @@ Taught in chapter 09 (planning at scale).
 
 from __future__ import annotations
 
-from dtlab.estimate.layouts import _check_count
+from dtlab.checks import positive_int
 from dtlab.estimate.models import model_spec
 
 
@@ -19,7 +19,7 @@ def kv_cache_bytes(
     tensor parallelism splits the heads)."""
     spec = model_spec(model)
     for name, value in (("batch", batch), ("context", context), ("tp", tp)):
-        _check_count(name, value)
+        positive_int(name, value)
     kv = spec.d_model * (spec.n_kv_heads or spec.n_heads) / spec.n_heads
     return 2 * spec.n_layers * batch * context * kv * bytes_per_value / tp
 

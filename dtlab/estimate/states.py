@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtlab.checks import one_of, positive_int
+from dtlab.events import STATE_PRECISIONS, state_precision
+
 GB = 1e9  # the ZeRO paper's gigabyte
 
-PRECISIONS = ("fp32", "mixed", "bf16")
+PRECISIONS = STATE_PRECISIONS  # dtlab.events: fp32, mixed, pure_bf16
 OPTIMIZERS = ("adam", "sgd_momentum", "sgd")
 _OPTIMIZER_ALIASES = {"adamw": "adam", "sgd-momentum": "sgd_momentum"}
-_PRECISION_ALIASES = {"amp": "mixed", "fp16-mixed": "mixed", "bf16-mixed": "mixed"}
 
 
 # ---- model states: bytes per parameter -----------------------------------------------
@@ -43,14 +45,6 @@ class BytesPerParam:
         return self.params + self.grads + self.optimizer
 
 
-def _norm_choice(value: str, allowed: tuple[str, ...], aliases: dict, what: str) -> str:
-    key = str(value).lower()
-    key = aliases.get(key, key)
-    if key not in allowed:
-        raise ValueError(f"unknown {what} {value!r}: expected one of {allowed}")
-    return key
-
-
 def bytes_per_param(precision: str = "mixed", optimizer: str = "adam") -> BytesPerParam:
     """Model-state bytes per parameter for a precision policy and an optimizer.
 
@@ -59,25 +53,29 @@ def bytes_per_param(precision: str = "mixed", optimizer: str = "adam") -> BytesP
     - ``"fp32"``: weights, gradients and optimizer states in fp32. This is also what
       ``torch.autocast`` keeps in memory: it casts on the fly, the stored parameters
       and their gradients stay fp32.
-    - ``"mixed"`` (ZeRO §3, Micikevicius et al. 2018): fp16/bf16 weights and
-      gradients (2 + 2 bytes), and the optimizer keeps an fp32 *master copy* of the
-      weights (4 bytes) besides its own states.
-    - ``"bf16"``: everything in bf16, no master copy (cheapest, but small updates can
-      vanish in bf16's 8-bit mantissa).
+    - ``"mixed"`` (ZeRO §3, Micikevicius et al. 2018), which is what a ``"bf16"`` or
+      ``"fp16"`` run keeps: fp16/bf16 weights and gradients (2 + 2 bytes), and the
+      optimizer keeps an fp32 *master copy* of the weights (4 bytes) besides its own
+      states.
+    - ``"pure_bf16"``: everything in bf16, no master copy (cheapest, but small
+      updates can vanish in bf16's 8-bit mantissa).
+
+    The names are :func:`dtlab.events.state_precision`'s: a run's precision
+    (``fp32``, ``bf16``, ``fp16``) or a storage regime.
 
     ``optimizer``: ``"adam"`` (or ``"adamw"``; momentum + variance), ``"sgd_momentum"``
     (one buffer), ``"sgd"`` (none).
 
-    ====== ======== ============= ======
-    policy adam     sgd_momentum  sgd
-    ====== ======== ============= ======
-    fp32   4+4+8=16 4+4+4=12      4+4+0=8
-    mixed  2+2+12   2+2+8         2+2+4
-    bf16   2+2+4    2+2+2         2+2+0
-    ====== ======== ============= ======
+    ========= ======== ============= ======
+    policy    adam     sgd_momentum  sgd
+    ========= ======== ============= ======
+    fp32      4+4+8=16 4+4+4=12      4+4+0=8
+    mixed     2+2+12   2+2+8         2+2+4
+    pure_bf16 2+2+4    2+2+2         2+2+0
+    ========= ======== ============= ======
     """
-    precision = _norm_choice(precision, PRECISIONS, _PRECISION_ALIASES, "precision")
-    optimizer = _norm_choice(optimizer, OPTIMIZERS, _OPTIMIZER_ALIASES, "optimizer")
+    precision = state_precision(precision)
+    optimizer = one_of("optimizer", optimizer, OPTIMIZERS, _OPTIMIZER_ALIASES)
     n_states = {"adam": 2, "sgd_momentum": 1, "sgd": 0}[optimizer]
     if precision == "fp32":
         return BytesPerParam(4, 4, 4 * n_states)
@@ -110,12 +108,7 @@ def zero_memory_per_device(
     """
     if n_params < 0:
         raise ValueError(f"n_params must be >= 0, got {n_params}")
-    if (
-        isinstance(world_size, bool)
-        or not isinstance(world_size, int)
-        or world_size < 1
-    ):
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    positive_int("world_size", world_size)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"unknown ZeRO stage {stage!r}: expected 0, 1, 2 or 3")
     b = bytes_per_param(precision, optimizer)

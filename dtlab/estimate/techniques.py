@@ -8,8 +8,8 @@ Taught in chapter 08 (memory techniques).
 
 from __future__ import annotations
 
+from dtlab.checks import one_of
 from dtlab.estimate.activations import RECOMPUTE
-from dtlab.estimate.states import _norm_choice
 
 
 # ---- memory techniques (chapter 08): the price of recomputation and offload --------
@@ -33,7 +33,7 @@ def recompute_overhead(
     are not FLOPs here; where they are memory-bound, selective recomputation costs
     more time than this share.
     """
-    mode = _norm_choice(mode, RECOMPUTE, {}, "recompute mode")
+    mode = one_of("recompute mode", mode, RECOMPUTE)
     if seq_len <= 0 or d_model <= 0:
         raise ValueError(f"seq_len and d_model must be positive: {seq_len}, {d_model}")
     s, h = seq_len, d_model

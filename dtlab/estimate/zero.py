@@ -9,13 +9,8 @@ Taught in chapter 03 (ZeRO); chapter 09's layouts build on it.
 from __future__ import annotations
 
 from dtlab.estimate.collectives import wire_bytes
-from dtlab.estimate.states import (
-    _PRECISION_ALIASES,
-    PRECISIONS,
-    _norm_choice,
-    bytes_per_param,
-    zero_memory_per_device,
-)
+from dtlab.estimate.states import bytes_per_param, zero_memory_per_device
+from dtlab.events import state_precision
 
 
 # ---- ZeRO: what dtlab.zero holds and sends per rank (chapter 03) ---------------------
@@ -46,10 +41,10 @@ def zero_states_per_rank(
     host_grads, host_optimizer, host``.
     """
     paper = zero_memory_per_device(n_params, world_size, stage, precision, optimizer)
-    precision = _norm_choice(precision, PRECISIONS, _PRECISION_ALIASES, "precision")
+    precision = state_precision(precision)
     b = bytes_per_param(precision, optimizer)
     n_s = world_size if stage >= 1 else 1
-    master_bytes = 2 if precision == "bf16" else 4
+    master_bytes = 2 if precision == "pure_bf16" else 4
     separate = precision == "mixed" or bool(offload)
     # the optimizer's own states (momentum, variance): K without the master copy
     states = (b.optimizer - (4 if precision == "mixed" else 0)) * n_params / n_s
