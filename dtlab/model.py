@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab.checks import integer, positive_int
 from dtlab.estimate import model_params
 
 __all__ = [
@@ -73,9 +74,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(name, getattr(self, name))
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model}: "
@@ -84,8 +83,8 @@ class GPTConfig:
         if self.d_ff is None:
             # frozen dataclass: resolve the default once, so users read one number
             object.__setattr__(self, "d_ff", 4 * self.d_model)
-        elif not isinstance(self.d_ff, int) or self.d_ff < 1:
-            raise ValueError(f"d_ff must be a positive integer, got {self.d_ff!r}")
+        else:
+            positive_int("d_ff", self.d_ff)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -340,8 +339,8 @@ def regression_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic regression batch for :class:`TinyMLP`: ``y = tanh(x @ W)``
     for a fixed teacher ``W`` (from ``seed``) and fresh ``x`` (from ``seed, step``)."""
-    _check_nonneg_int("step", step)
-    _check_pos_int("batch_size", batch_size)
+    integer("step", step)
+    positive_int("batch_size", batch_size)
     teacher = torch.randn(d_in, d_out, generator=param_generator(seed, "teacher"))
     x = torch.randn(
         batch_size, d_in, generator=param_generator(seed, f"x/{step}")
@@ -365,9 +364,9 @@ class SyntheticTokens:
     def __init__(
         self, vocab_size: int, seq_len: int, seed: int = 0, branching: int = 3
     ) -> None:
-        _check_pos_int("vocab_size", vocab_size)
-        _check_pos_int("seq_len", seq_len)
-        _check_pos_int("branching", branching)
+        positive_int("vocab_size", vocab_size)
+        positive_int("seq_len", seq_len)
+        positive_int("branching", branching)
         if branching > vocab_size:
             raise ValueError(f"branching={branching} exceeds vocab_size={vocab_size}")
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
@@ -388,8 +387,8 @@ class SyntheticTokens:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch of ``step``: ``x`` and ``y = x`` shifted by one, each
         ``(global_batch_size, seq_len)`` int64."""
-        _check_nonneg_int("step", step)
-        _check_pos_int("global_batch_size", global_batch_size)
+        integer("step", step)
+        positive_int("global_batch_size", global_batch_size)
         gen = param_generator(self.seed, f"batch/{step}")
         B, T = global_batch_size, self.seq_len
         seq = torch.empty(B, T + 1, dtype=torch.long)  # one extra token for y
@@ -426,7 +425,7 @@ def shard_batch(
     """Split a global batch along dim 0 into ``world_size`` contiguous slices and
     return slice ``rank`` (a view). Concatenating all ranks' slices in rank order gives
     the global batch back, which is what makes DP parity with one process possible."""
-    _check_pos_int("world_size", world_size)
+    positive_int("world_size", world_size)
     if (
         isinstance(rank, bool)
         or not isinstance(rank, int)
@@ -444,13 +443,3 @@ def shard_batch(
     per_rank = B // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     return x[rows], y[rows]  # (B / world_size, T) each
-
-
-def _check_pos_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_nonneg_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
