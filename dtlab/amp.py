@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from dtlab import comm, estimate, telemetry
+from dtlab.events import Kind
 
 __all__ = [
     "Policy",
@@ -47,6 +48,7 @@ __all__ = [
     "policy",
     "LossScaler",
     "MixedPrecisionOptimizer",
+    "grad_norm",
     "bytes_per_param",
     "FP16_SMALLEST_NORMAL",
     "FP16_SMALLEST_SUBNORMAL",
@@ -78,7 +80,9 @@ class Policy:
         return self.compute_dtype != self.master_dtype
 
     def scaler(self, **kwargs) -> LossScaler:
-        """A loss scaler for this policy (one that does nothing unless fp16)."""
+        """A loss scaler for this policy: dynamic under fp16, an overflow check
+        under bf16 (skip, never apply, an inf step), nothing at all under fp32."""
+        kwargs.setdefault("check_overflow", self.has_master_copy)
         return LossScaler(enabled=self.loss_scaling, **kwargs)
 
 
@@ -128,6 +132,7 @@ class LossScaler:
         growth_interval: int = 2000,
         *,
         enabled: bool = True,
+        check_overflow: bool = True,
         min_scale: float = 2.0**-24,
     ):
         if not init_scale > 0 or not math.isfinite(init_scale):
@@ -141,6 +146,7 @@ class LossScaler:
         if growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
         self.enabled = enabled
+        self.check_overflow = bool(enabled or check_overflow)
         self.scale_value = float(init_scale) if enabled else 1.0
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -161,6 +167,8 @@ class LossScaler:
         model; the flag is MAX-reduced over each in turn. ``(None,)`` is the world;
         ``()`` keeps the decision local (single process).
         """
+        if not self.check_overflow:
+            return False
         grads = [g for g in grads if g is not None]
         inv = 1.0 / self.scale_value
         local_inf = False
@@ -177,6 +185,8 @@ class LossScaler:
 
     def update(self, found_inf: bool) -> None:
         """Apply the dynamic rule after a step (skipped or not)."""
+        if not self.check_overflow:
+            return
         rec = telemetry.current()
         if found_inf:
             self.skipped += 1
@@ -189,7 +199,7 @@ class LossScaler:
             self.clean_steps += 1
             if self.enabled and self.clean_steps % self.growth_interval == 0:
                 self.scale_value *= self.growth_factor
-        rec.emit("amp", scale=self.scale_value, skipped=bool(found_inf))
+        rec.emit(Kind.AMP, scale=self.scale_value, skipped=bool(found_inf))
 
     def state_dict(self) -> dict:
         return {
@@ -202,6 +212,16 @@ class LossScaler:
         self.scale_value = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.skipped = int(state["skipped"])
+
+
+def grad_norm(parameters) -> float:
+    """Global L2 norm of all gradients, ``sqrt(sum_i ||g_i||^2)``, as a float:
+    per-tensor norms first, then the norm of norms, the order
+    ``torch.nn.utils.clip_grad_norm_`` uses (so the two agree bit for bit)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
 
 
 class MixedPrecisionOptimizer:
@@ -221,8 +241,10 @@ class MixedPrecisionOptimizer:
 
     ``norm_fn(grads) -> float`` measures the global gradient norm when the model is
     spread over ranks (a collective; :mod:`dtlab.parallelize` passes one that counts
-    every element once); clipping then uses it. :attr:`last_grad_norm` is the norm
-    of the last step (``inf`` if it was skipped; ``nan`` if nothing measured it).
+    every element once); clipping then uses it. Without one, the norm is
+    :func:`grad_norm`'s (and ``clip_grad_norm_``'s when clipping), what a replica
+    holding every gradient measures. :attr:`last_grad_norm` is the norm of the last
+    step (``inf`` if it was skipped).
     """
 
     def __init__(
@@ -287,6 +309,8 @@ class MixedPrecisionOptimizer:
                 self.last_grad_norm = float(
                     torch.nn.utils.clip_grad_norm_(self.masters, self.grad_clip)
                 )
+            else:
+                self.last_grad_norm = grad_norm(self.masters)
             self.optimizer.step()
             if self.policy.has_master_copy:
                 for p, m in zip(self.params, self.masters):

@@ -258,16 +258,10 @@ def _reshardable(trainer) -> str | None:
     """ "sharded" (ZeRO over dp only) or "replicated" (DDP over dp only): a state
     that can be re-cut for another world; None for tp/pp/16-bit runs, whose state
     is bound to the layout."""
-    from dtlab.train import needs_composition
-
-    if needs_composition(trainer.config, trainer.topo.layout):
+    layout, config = trainer.topo.layout, trainer.config
+    if layout.tp > 1 or layout.pp > 1 or config.precision != "fp32":
         return None
-    model = trainer.strategy.model
-    if hasattr(model, "_units"):
-        return "sharded"  # dtlab.zero.FullyShardedDataParallel (ZeRO 1-3)
-    from dtlab.ddp import DistributedDataParallel
-
-    return "replicated" if isinstance(model, DistributedDataParallel) else None
+    return "replicated" if trainer.parts.zero_stage is None else "sharded"
 
 
 def _rank() -> int:
@@ -285,7 +279,7 @@ def save_training(path, trainer) -> str:
     ``path``."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    strategy = trainer.strategy
+    model, optimizer = trainer.model, trainer.optimizer.optimizer
     layout = trainer.topo.layout
     info = {
         "step": trainer.step,
@@ -303,11 +297,9 @@ def save_training(path, trainer) -> str:
             json.dump(info, f)
     state = os.path.join(path, "state")
     if info["reshardable"] == "sharded":
-        save_sharded(state, strategy.model, strategy.optimizer)
+        save_sharded(state, model, optimizer)
     elif info["reshardable"] == "replicated":
-        save_replicated(
-            state, strategy.model.module, strategy.optimizer, group=strategy.dp
-        )
+        save_replicated(state, model.module, optimizer, group=trainer.dp)
     else:
         comm.barrier(tag="checkpoint")  # every rank's file is written
     return path
@@ -323,7 +315,7 @@ def load_training(path, trainer) -> int:
     and the records then start afresh: they belonged to the old ranks); a
     tensor- or pipeline-parallel (or 16-bit) run loads only at its own layout."""
     path = os.fspath(path)
-    strategy = trainer.strategy
+    model, optimizer = trainer.model, trainer.optimizer.optimizer
     file = os.path.join(path, "training.json")
     if not os.path.exists(file):
         raise ValueError(f"{path} holds no training.json: not a save_training folder")
@@ -358,9 +350,9 @@ def load_training(path, trainer) -> int:
         )
     state = os.path.join(path, "state")
     if kind == "sharded":
-        load_sharded(state, strategy.model, strategy.optimizer)
+        load_sharded(state, model, optimizer)
     else:
-        load_replicated(state, strategy.model.module, strategy.optimizer)
+        load_replicated(state, model.module, optimizer)
     trainer.step = int(saved["step"])
     trainer.records = []
     return trainer.step

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from dtlab import telemetry
 from dtlab.estimate import wire_bytes as _wire_bytes
+from dtlab.events import Kind
 
 ReduceOp = dist.ReduceOp
 
@@ -218,7 +219,7 @@ def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run, peer=None):
 
     def finish():
         rec.emit(
-            "comm",
+            Kind.COMM,
             op=op,
             axis=group_axis,
             dtype=str(tensor_for_bytes.dtype).replace("torch.", ""),
@@ -338,7 +339,7 @@ def barrier(group=None, *, tag=None):
     _leave(entry)
     if rec.enabled:
         rec.emit(
-            "comm",
+            Kind.COMM,
             op="barrier",
             axis=axis,
             dtype=None,

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dtlab import amp
+from dtlab.amp import grad_norm
 from dtlab.model import GPT, GPTConfig, SyntheticTokens
 
 __all__ = [
@@ -45,15 +46,6 @@ def make_optimizer(
     return torch.optim.AdamW(
         params, lr=lr, betas=betas, weight_decay=weight_decay, eps=1e-8
     )
-
-
-def grad_norm(parameters) -> float:
-    """Global L2 norm of all gradients, ``sqrt(sum_i ||g_i||^2)``, as a float."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return 0.0
-    # per-tensor norms first, then the norm of norms: the order clip_grad_norm_ uses
-    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
 
 
 def reference_step(

@@ -996,3 +996,7 @@ def tp_train_step(model, optimizer, x, y, grad_clip: float | None = None) -> dic
             ),
         )  # fmt: skip
     return {"loss": loss.item(), "grad_norm": norm}
+
+
+# the public name of the all-gather along a dimension that dtlab.parallelize uses
+all_gather_along = _all_gather

@@ -147,7 +147,7 @@ def _trainer_on_one_gpu():
     }
     for name, config in configs.items():
         trainer = Trainer(config)
-        assert all(p.is_cuda for p in trainer.strategy.parameters()), name
+        assert all(p.is_cuda for p in trainer.parameters()), name
         out[name] = [r["loss"] for r in trainer.fit()]
     for precision in ("fp32", "bf16", "fp16"):
         ref = train_reference(

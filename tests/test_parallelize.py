@@ -228,7 +228,6 @@ def test_checkpointing_changes_no_bit_and_saves_what_korthikanti_counts():
     (s² bools). Selective recomputation drops exactly the softmax output (4·as²b in
     fp32) and the mask; full recomputation keeps each layer's input (4·sbh)."""
     from dtlab import telemetry
-    from dtlab.parallelize import ParallelStrategy
     from dtlab.train import Trainer
 
     s, b, h, a, L = CFG.seq_len, B, CFG.d_model, CFG.n_heads, CFG.n_layers
@@ -241,8 +240,6 @@ def test_checkpointing_changes_no_bit_and_saves_what_korthikanti_counts():
                 model=CFG, steps=2, global_batch_size=B, activation_checkpointing=mode
             )
             trainer = Trainer(config)
-            # "none" is chapter 02's DDP strategy; the others are composed
-            assert isinstance(trainer.strategy, ParallelStrategy) == (mode != "none")
             trainer.fit()
         measured[mode] = [e for e in rec.events if e["kind"] == "memory"][-1][
             "activations"

@@ -195,7 +195,7 @@ def _train_dp(strategy, steps=2, batch=8):
     with telemetry.use(rec):
         trainer = Trainer(config)
         trainer.fit()
-        tensors = len(list(trainer.strategy.parameters()))
+        tensors = len(list(trainer.parameters()))
     last = steps - 1
     mem = [e for e in rec.events if e["kind"] == "memory" and e["step"] == last]
     return {"memory": mem[-1], "wire": _wire(rec.events, last), "tensors": tensors}
@@ -257,7 +257,7 @@ def _train_3d(layout, strategy, extra, steps=2, batch=8):
     with telemetry.use(rec):
         trainer = Trainer(config)
         trainer.fit()
-        tensors = len(list(trainer.strategy.parameters()))
+        tensors = len(list(trainer.parameters()))
     last = steps - 1
     mem = [e for e in rec.events if e["kind"] == "memory" and e["step"] == last]
     step = [e for e in mem if e["phase"] == "step"][-1]

@@ -118,8 +118,9 @@ def _load_elsewhere(strategies, root):
         params = {k: v.clone() for k, v in trainer.full_parameters().items()}
         moments = None
         if s.startswith("zero"):
-            st = trainer.strategy
-            moments = gather_full_optimizer_state(st.model, st.optimizer)
+            moments = gather_full_optimizer_state(
+                trainer.model, trainer.optimizer.optimizer
+            )
         trainer.fit(STEPS - at)
         out[s] = dict(
             at=at,
@@ -144,8 +145,7 @@ def _full_moments(strategies, root):
     for s in strategies:
         trainer = Trainer(CONFIG.replace(strategy=s), topo)
         load_training(f"{root}/{s}", trainer)
-        st = trainer.strategy
-        out[s] = gather_full_optimizer_state(st.model, st.optimizer)
+        out[s] = gather_full_optimizer_state(trainer.model, trainer.optimizer.optimizer)
     return out
 
 

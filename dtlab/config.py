@@ -1,0 +1,232 @@
+"""What a training run is: :class:`TrainConfig`, checked before any process starts.
+
+Taught in chapter 02 (its first fields) and chapter 07 (every axis and option at
+once, from the control panel). The same config gives the same numbers on any
+launcher: the lab's engines, :func:`dtlab.launch.spawn`, torchrun, ``dtlab run``.
+:class:`dtlab.train.Trainer` runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from dtlab.checks import integer, positive_int
+from dtlab.events import CHECKPOINTING, PRECISIONS, SCHEDULES, STRATEGIES
+from dtlab.model import GPTConfig
+from dtlab.parallelize import check_composition
+from dtlab.topology import Layout
+
+__all__ = ["TrainConfig", "check_strategy"]
+
+
+# ---- configuration -------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs; the same config gives the same numbers on any launcher.
+
+    - ``model``: the GPT to train; ``seed`` its init, ``data_seed`` the data.
+    - ``layout``: ``Layout(dp, tp, pp)``; ``None`` means data parallel over the whole
+      world (``dp = world size``). Tensor and pipeline parallelism come from the
+      layout, not from the strategy name.
+    - ``strategy``: the data-parallel flavour over the dp axis, a name in
+      :data:`STRATEGIES`: ``"ddp"`` (chapter 02) or ``"zero1"``/``"zero2"``/
+      ``"zero3"`` (chapter 03).
+    - ``steps``, ``global_batch_size`` (sequences per optimizer step, all ranks
+      together), ``grad_accum_steps`` (micro-batches per rank and step; with pp > 1,
+      pipeline flushes per step).
+    - Pipeline (chapter 05, when ``pp > 1``): ``schedule`` (``gpipe``, ``1f1b``,
+      ``interleaved``, ``zb_h1``), ``microbatches`` per flush and dp rank (None: pp),
+      ``chunks`` (virtual stages per rank, interleaved only).
+    - Tensor parallelism (chapter 04): ``sequence_parallel`` (needs tp > 1).
+    - ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (chapter 06, :mod:`dtlab.amp`:
+      16-bit compute with fp32 master weights; fp16 adds the dynamic loss scaler).
+    - ``activation_checkpointing``: ``"none"``, ``"selective"`` (recompute the
+      attention core) or ``"full"`` (recompute each block), chapter 08.
+    - AdamW: ``lr``, ``weight_decay``, ``betas``; ``grad_clip`` (global norm) or None.
+    - DDP: ``bucket_cap_mb``, ``find_unused_parameters``. ZeRO: ``offload``.
+
+    :meth:`check` says before any process starts whether a world can run it;
+    :meth:`to_dict` / :meth:`from_dict` round-trip it through JSON.
+    """
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    layout: Layout | None = None
+    strategy: str = "ddp"
+    steps: int = 20
+    global_batch_size: int = 8
+    grad_accum_steps: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float | None = None
+    seed: int = 0
+    data_seed: int = 0
+    # ---- pipeline (chapter 05)
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    chunks: int = 1
+    # ---- tensor parallelism (chapter 04)
+    sequence_parallel: bool = False
+    # ---- precision (chapter 06) and activation memory (chapter 08)
+    precision: str = "fp32"
+    activation_checkpointing: str = "none"
+    # ---- DDP (chapter 02)
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    # ---- ZeRO (chapter 03): master weights, gradients, optimizer state on the host
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, GPTConfig):
+            raise ValueError(f"model must be a GPTConfig, got {type(self.model)}")
+        if self.layout is not None and not isinstance(self.layout, Layout):
+            raise ValueError(f"layout must be a Layout or None, got {self.layout!r}")
+        if not isinstance(self.strategy, str):
+            raise ValueError(f"strategy must be a name, got {self.strategy!r}")
+        for name in ("seed", "data_seed"):
+            integer(name, getattr(self, name))
+        for name in ("steps", "global_batch_size", "grad_accum_steps", "chunks"):
+            positive_int(name, getattr(self, name))
+        if self.microbatches is not None:
+            positive_int("microbatches", self.microbatches)
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        choices = (
+            ("schedule", SCHEDULES),
+            ("precision", PRECISIONS),
+            ("activation_checkpointing", CHECKPOINTING),
+        )
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                value = getattr(self, name)
+                raise ValueError(f"{name} must be one of {list(allowed)}: {value!r}")
+        for name in ("sequence_parallel", "offload", "find_unused_parameters"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False")
+
+    def replace(self, **changes) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- JSON ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """A JSON-safe dict (model and layout nested as dicts of their fields)."""
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        """The inverse of :meth:`to_dict`; unknown keys are an error, missing ones
+        take their defaults."""
+        if not isinstance(d, dict):
+            raise ValueError(f"from_dict needs a dict, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown TrainConfig fields {unknown}: expected some of "
+                f"{sorted(known)}"
+            )
+        d = dict(d)
+        if isinstance(d.get("model"), dict):
+            d["model"] = GPTConfig(**d["model"])
+        if isinstance(d.get("layout"), dict):
+            d["layout"] = Layout(**d["layout"])
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+    # ---- what a world can run -----------------------------------------------------
+    def resolve_layout(self, world_size: int) -> Layout:
+        return self.layout or Layout(dp=world_size)
+
+    def resolve_microbatches(self, layout: Layout) -> int:
+        """Pipeline microbatches per flush and dp rank (1 without a pipeline)."""
+        if layout.pp == 1:
+            return 1
+        return self.microbatches if self.microbatches is not None else layout.pp
+
+    def check(self, world_size: int) -> Layout:
+        """Raise ``ValueError`` if this config cannot run on ``world_size`` ranks
+        (saying what to change); return the layout it will use."""
+        check_strategy(self.strategy)
+        layout = self.resolve_layout(world_size)
+        m = self.resolve_microbatches(layout)
+        layout.validate(
+            world_size,
+            n_layers=self.model.n_layers,
+            n_heads=self.model.n_heads,
+            microbatches=m if layout.pp > 1 else None,
+            schedule=self.schedule if layout.pp > 1 else None,
+            chunks=self.chunks,
+        )
+        per_step = layout.dp * self.grad_accum_steps
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} does not split into "
+                f"dp={layout.dp} ranks x grad_accum_steps={self.grad_accum_steps} "
+                f"equal micro-batches: use a multiple of {per_step}"
+            )
+        if layout.pp == 1:
+            for name, default in (("microbatches", None), ("chunks", 1)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)} is a pipeline option, but the "
+                        f"layout {layout} has pp=1: leave {name} at {default!r} or "
+                        "use pp > 1"
+                    )
+        else:
+            per_flush = self.global_batch_size // per_step
+            if per_flush % m:
+                raise ValueError(
+                    f"each pipeline flush gets {per_flush} sequences per dp rank "
+                    f"(global_batch_size / (dp x grad_accum_steps)), which does not "
+                    f"split into microbatches={m}: use a global_batch_size that is a "
+                    f"multiple of {per_step * m}"
+                )
+            if self.chunks > 1 and self.schedule != "interleaved":
+                raise ValueError(
+                    f"chunks={self.chunks} needs schedule='interleaved' (the other "
+                    "schedules run one stage per rank)"
+                )
+            if self.schedule == "interleaved" and self.chunks > 1 and m % layout.pp:
+                raise ValueError(
+                    f"interleaved 1F1B sends microbatches in groups of pp={layout.pp}: "
+                    f"use microbatches that are a multiple of {layout.pp}"
+                )
+        if self.sequence_parallel:
+            if layout.tp == 1:
+                raise ValueError(
+                    "sequence_parallel splits the LayerNorm/dropout regions over "
+                    f"the tp ranks, but the layout {layout} has tp=1: use tp > 1 or "
+                    "sequence_parallel=False"
+                )
+            if self.model.seq_len % layout.tp:
+                raise ValueError(
+                    f"sequence parallelism splits seq_len={self.model.seq_len} over "
+                    f"tp={layout.tp}: make seq_len a multiple of tp"
+                )
+        check_composition(self, layout)
+        return layout
+
+
+def check_strategy(name: str) -> str:
+    """``name`` if it is a data-parallel strategy; else a ``ValueError`` that says
+    what the strategy names are (and that tp and pp come from the layout)."""
+    if name in STRATEGIES:
+        return name
+    if name in ("tp", "pp"):
+        raise ValueError(
+            f"strategy {name!r} is not a data-parallel flavour: tensor and pipeline "
+            f"parallelism come from the layout (e.g. layout=Layout(dp=2, {name}=2)); "
+            f"strategy picks what runs over dp, one of {list(STRATEGIES)}"
+        )
+    raise ValueError(
+        f"unknown strategy {name!r}: expected one of {list(STRATEGIES)} "
+        "(tensor and pipeline parallelism come from the layout)"
+    )
