@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab import comm, telemetry
+from dtlab.events import SCHEDULES
 from dtlab.model import GPT, GPTConfig, SyntheticTokens, shard_batch
 from dtlab.reference import grad_norm, make_optimizer
 from dtlab.topology import Layout, Topology
@@ -82,8 +83,7 @@ def register_strategy(name: str):
 
 PRECISIONS = ("fp32", "bf16", "fp16")  # dtlab.amp policies
 CHECKPOINTING = ("none", "selective", "full")
-# dtlab.pipeline.SCHEDULES, spelled as configs spell them
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
+PIPELINE_SCHEDULES = SCHEDULES  # dtlab.events' one spelling of the schedules
 
 
 def _check_int(name: str, value, low: int) -> None:

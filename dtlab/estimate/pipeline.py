@@ -8,8 +8,10 @@ Taught in chapter 05 (pipeline parallel); chapters 07 and 09 reuse it.
 
 from __future__ import annotations
 
+from dtlab.events import SCHEDULES, schedule_name
+
 # ---- pipeline parallelism: bubble, step time, activations in flight (chapter 05) ----
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+PIPELINE_SCHEDULES = SCHEDULES  # the one spelling (dtlab.events)
 
 
 def _check_pipeline(p: int, m: int, v: int = 1) -> None:
@@ -57,15 +59,11 @@ def pipeline_step_time(
     2·t_w)``.
     """
     _check_pipeline(p, m, v)
-    key = str(schedule).lower()
-    if key not in PIPELINE_SCHEDULES:
-        raise ValueError(
-            f"unknown schedule {schedule!r}: expected {PIPELINE_SCHEDULES}"
-        )
+    key = schedule_name(schedule)
     if key != "interleaved" and v != 1:
         raise ValueError(f"v={v} chunks needs schedule='interleaved'")
     work = m * (t_f + t_b)
-    if key == "zb-h1":
+    if key == "zb_h1":
         if not 0 <= t_w <= t_b:
             raise ValueError(f"t_w must lie in [0, t_b={t_b}], got {t_w}")
         return work + (p - 1) * (t_f + t_b - 2 * t_w)
@@ -86,13 +84,11 @@ def pipeline_in_flight(
     _check_pipeline(p, m, v)
     if not 0 <= stage < p:
         raise ValueError(f"stage {stage} is outside 0..{p - 1}")
-    key = str(schedule).lower()
+    key = schedule_name(schedule)
     if key == "gpipe":
         return m
     if key == "1f1b":
         return min(p - stage, m)
     if key == "interleaved":
         return min(2 * (p - stage - 1) + (v - 1) * p + 1, v * m)
-    if key == "zb-h1":
-        return min(p, m)
-    raise ValueError(f"unknown schedule {schedule!r}: expected {PIPELINE_SCHEDULES}")
+    return min(p, m)  # zb_h1
