@@ -154,12 +154,13 @@ class Pipeline:
         """Forward and backward of every microbatch of ``(x, y)``, this dp rank's
         ``(B, T)`` batch (every stage passes it; only the first reads ``x``, only
         the last ``y``). ``loss_scale`` multiplies the loss before backward (fp16's
-        dynamic loss scaling, :mod:`dtlab.amp`). Returns ``{"loss"}`` (``mean_i
-        L_i`` on the rank holding the head, ``None`` elsewhere) and what it measured
-        on this rank: peak microbatch-chunks in flight, peak activation bytes saved
-        for backward, bytes freed after sends. ``sync=False`` leaves the gradients
-        unsynchronized (several flushes per optimizer step: call
-        :meth:`sync_gradients` after the last)."""
+        dynamic loss scaling, :mod:`dtlab.amp`); activations and gradients travel
+        in the stages' own dtype. Returns ``{"loss"}`` (``mean_i L_i`` on the rank
+        holding the head, ``None`` elsewhere) and what it measured on this rank:
+        peak microbatch-chunks in flight, peak activation bytes saved for backward,
+        bytes freed after sends. ``sync=False`` leaves the gradients unsynchronized
+        (several flushes per optimizer step: call :meth:`sync_gradients` after the
+        last)."""
         s = self.schedule
         xs, ys = self._microbatches(x, y)  # m x (b, T)
         st = self._new_step(xs[0])
