@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from dtlab.estimate.activations import RECOMPUTE, activation_bytes_per_layer
 from dtlab.estimate.collectives import wire_bytes
 from dtlab.estimate.models import _layer_params, model_spec
-from dtlab.estimate.pipeline import pipeline_in_flight
+from dtlab.estimate.pipeline import PIPELINE_SCHEDULES, pipeline_in_flight
 from dtlab.estimate.states import _norm_choice, zero_memory_per_device
 from dtlab.estimate.tensor_parallel import tp_bytes_per_layer
 from dtlab.estimate.zero import zero_comm_per_step, zero_states_per_rank
-from dtlab.events import schedule_name
 
 # ---- layouts: memory and traffic of a dp x tp x pp (x cp x ep) job (chapter 09) ------
 # The planner's building blocks. Every number below is one of the formulas above,
@@ -185,7 +184,12 @@ def _value_bytes(precision: str) -> int:
 
 
 def _schedule_key(schedule: str) -> str:
-    return schedule_name(schedule)  # the one spelling, or ValueError
+    key = str(schedule).lower().replace("_", "-")
+    if key not in PIPELINE_SCHEDULES:
+        raise ValueError(
+            f"unknown schedule {schedule!r}: expected one of {PIPELINE_SCHEDULES}"
+        )
+    return key
 
 
 def _check_count(name: str, value) -> None:

@@ -8,16 +8,16 @@ Taught in chapter 05 (pipeline parallel); chapters 07 and 09 reuse it.
 
 from __future__ import annotations
 
+from dtlab.checks import positive_int
 from dtlab.events import SCHEDULES, schedule_name
 
 # ---- pipeline parallelism: bubble, step time, activations in flight (chapter 05) ----
-PIPELINE_SCHEDULES = SCHEDULES  # the one spelling (dtlab.events)
+PIPELINE_SCHEDULES = SCHEDULES  # dtlab.events' names
 
 
 def _check_pipeline(p: int, m: int, v: int = 1) -> None:
     for name, value in (("p", p), ("m", m), ("v", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        positive_int(name, value)
 
 
 def pipeline_bubble_fraction(p: int, m: int, v: int = 1) -> float:
@@ -91,4 +91,6 @@ def pipeline_in_flight(
         return min(p - stage, m)
     if key == "interleaved":
         return min(2 * (p - stage - 1) + (v - 1) * p + 1, v * m)
-    return min(p, m)  # zb_h1
+    if key == "zb_h1":
+        return min(p, m)
+    raise ValueError(f"unknown schedule {schedule!r}: expected {PIPELINE_SCHEDULES}")
