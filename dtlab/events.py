@@ -90,6 +90,7 @@ _SCHEDULE_ALIASES = {
     "zb-h1": "zb_h1",
     "zbh1": "zb_h1",
     "interleaved-1f1b": "interleaved",
+    "interleaved_1f1b": "interleaved",
 }
 
 

@@ -12,14 +12,20 @@ embedding whose two copies are summed once per step instead of once per microbat
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import pytest
 import torch
 
 from dtlab import estimate as est
+from dtlab import events
 from dtlab.model import GPT, GPTConfig, SyntheticTokens, shard_batch
 from dtlab.pipeline import (
+    SCHEDULES,
     Action,
     Pipeline,
+    Schedule,
     ScheduleError,
     bubble,
     build_stages,
@@ -31,7 +37,9 @@ from dtlab.pipeline import (
     measured_timeline,
     one_f_one_b,
     partition,
+    schedules,
     simulate,
+    simulator,
     validate,
     zb_h1,
 )
@@ -128,10 +136,10 @@ def test_validator_rejects_incomplete_and_misordered_schedules():
     good = one_f_one_b(2, 2)
     missing = good.actions[0][:-1]
     with pytest.raises(ScheduleError, match="never runs"):
-        validate(type(good)("x", 2, 2, 1, (missing, good.actions[1])))
+        validate(Schedule("x", 2, 2, 1, (missing, good.actions[1])))
     twice = good.actions[1] + good.actions[1][-1:]
     with pytest.raises(ScheduleError, match="2 times"):
-        validate(type(good)("x", 2, 2, 1, (good.actions[0], twice)))
+        validate(Schedule("x", 2, 2, 1, (good.actions[0], twice)))
     backward_first = [[("B", 0), ("F", 0), ("F", 1), ("B", 1)]] * 1
     with pytest.raises(ScheduleError, match="before its F"):
         validate(from_compute_orders("x", 1, 2, backward_first))
@@ -139,6 +147,44 @@ def test_validator_rejects_incomplete_and_misordered_schedules():
         interleaved_1f1b(4, 6, 2)
     with pytest.raises(ValueError, match="unknown schedule"):
         make_schedule("pipedream-async", 2, 4)
+    with pytest.raises(ValueError, match="chunks=2 needs 'interleaved'"):
+        make_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="m must be a positive integer"):
+        one_f_one_b(2, 0)
+
+
+def test_schedule_names_are_dtlab_events_vocabulary():
+    # one spelling: the builders are keyed by dtlab.events.SCHEDULES, and the
+    # spellings older code and notebooks use are aliases of it
+    assert tuple(SCHEDULES) == events.SCHEDULES
+    for name in events.SCHEDULES:
+        assert make_schedule(name, 2, 4).name == name
+    for alias, name in (("zb-h1", "zb_h1"), ("ZB-H1", "zb_h1"), ("zbh1", "zb_h1")):
+        assert make_schedule(alias, 2, 4) == make_schedule(name, 2, 4)
+    for alias in ("interleaved-1f1b", "interleaved_1f1b"):
+        assert make_schedule(alias, 2, 4, 2) == interleaved_1f1b(2, 4, 2)
+
+
+def test_schedules_and_simulator_need_no_process_group():
+    # schedules as data: the builders, the validator and the simulator import
+    # neither torch nor anything that starts a process group
+    allowed = {"__future__", "collections", "dataclasses", "dtlab.checks"}
+    allowed |= {"dtlab.events", "dtlab.pipeline.schedules"}
+    for module in (schedules, simulator):
+        tree = ast.parse(inspect.getsource(module))
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+        }
+        assert imported <= allowed, (module.__name__, imported - allowed)
+
+
+def test_the_executor_loop_fits_on_a_page():
+    # chapter 05 shows Pipeline.step with inspect: the schedule's actions, in order
+    source = inspect.getsource(Pipeline.step)
+    assert len(source.splitlines()) <= 60
+    for op in ("recv_act", "recv_grad", '"F"', "send_act", "send_grad", "last_pass"):
+        assert op in source, op
 
 
 def test_simulated_bubble_matches_the_formulas():
@@ -163,13 +209,13 @@ def test_simulated_bubble_matches_the_formulas():
             t = max(e["t_end"] for e in spans)
             assert t == pytest.approx(3 * m + (p - 1))
             assert t == pytest.approx(
-                est.pipeline_step_time(p, m, 1.0, 2.0, schedule="zb-h1", t_w=1.0)
+                est.pipeline_step_time(p, m, 1.0, 2.0, schedule="zb_h1", t_w=1.0)
             )
 
 
 def test_in_flight_bounds():
     for p, m in GRID:
-        for name in ("gpipe", "1f1b", "zb-h1"):
+        for name in ("gpipe", "1f1b", "zb_h1"):
             if name != "gpipe" and m < p:
                 continue
             peaks = [max(t) for t in in_flight(make_schedule(name, p, m))]
@@ -224,7 +270,7 @@ def test_one_stage_pipeline_is_the_model():
     # pp=1 without any process group: every schedule reduces to gradient accumulation
     x, y = _batch()
     loss, ref = _microbatch_grads(CFG, x, y, 4)
-    for name in ("gpipe", "1f1b", "zb-h1"):
+    for name in ("gpipe", "1f1b", "zb_h1"):
         pipe = Pipeline(CFG, Topology(Layout(), 0), name, microbatches=4)
         out = pipe.step(x, y)
         assert out["loss"] == loss
@@ -238,7 +284,7 @@ CASES = [
     ("gpipe", 4, 4, 1, False),
     ("1f1b", 4, 4, 1, False),
     ("interleaved", 4, 4, 2, False),
-    ("zb-h1", 4, 4, 1, False),
+    ("zb_h1", 4, 4, 1, False),
     ("gpipe", 2, 4, 1, False),
     ("1f1b", 2, 4, 1, False),
     ("interleaved", 2, 4, 2, False),

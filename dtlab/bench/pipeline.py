@@ -4,10 +4,13 @@ same stages and batch, and the measured bubble next to ``(p-1)/(m+p-1)`` (chapte
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 
 from dtlab import comm, telemetry
-from dtlab.model import GPTConfig
+from dtlab.model import GPTConfig, SyntheticTokens
 from dtlab.pipeline import (
     Pipeline,
     StageModule,
@@ -15,7 +18,7 @@ from dtlab.pipeline import (
     build_stages,
     measured_timeline,
 )
-from dtlab.topology import Layout
+from dtlab.topology import Layout, Topology
 
 __all__ = ["torch_pipeline", "run"]
 
@@ -55,13 +58,6 @@ def torch_pipeline(stage: StageModule, topo, schedule: str, m: int):
 
 # ---- benchmark: ``dtlab bench pp`` ---------------------------------------------------
 def _on_rank(p, m_values, steps, cfg_kwargs):
-    import time as _time
-
-    import torch.distributed as dist
-
-    from dtlab.model import SyntheticTokens
-    from dtlab.topology import Topology
-
     topo = Topology(Layout(pp=p))
     mb_rows = 4
     out = {"step_s": {}, "bubble": {}}
@@ -71,10 +67,10 @@ def _on_rank(p, m_values, steps, cfg_kwargs):
         times = []
         for _ in range(steps):
             comm.barrier()
-            t0 = _time.perf_counter()
+            t0 = time.perf_counter()
             fn()
             comm.barrier()
-            times.append(_time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]  # median
 
     m = m_values[1] if len(m_values) > 1 else m_values[0]
