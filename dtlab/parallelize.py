@@ -445,7 +445,7 @@ class ParallelStrategy(Strategy):
         """``{name in GPT: full fp32 tensor}`` of the parameters this rank's pipeline
         stage holds (all of them without a pipeline): gathered over tp, and over dp
         under ZeRO. A collective over tp and dp."""
-        from dtlab.tensor_parallel import _all_gather
+        from dtlab.tensor_parallel import all_gather_along
 
         if self.zero_stage is not None:
             pairs = []
@@ -461,7 +461,7 @@ class ParallelStrategy(Strategy):
             p = dict(module.named_parameters())[name]
             dim = getattr(p, "tensor_parallel_dim", None)
             if dim is not None and self.tp.size > 1:
-                t = _all_gather(t.contiguous(), dim, self.tp, "gather_full")
+                t = all_gather_along(t.contiguous(), dim, self.tp, "gather_full")
             if name in ("wte.weight", "head.weight"):
                 t = t[: self.config.model.vocab_size]  # drop the padding rows
             if name == "head.weight" and self.config.model.tied_head:
