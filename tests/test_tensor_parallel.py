@@ -24,9 +24,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab import estimate, telemetry
-from dtlab import tensor_parallel as tpm
+from dtlab import comm, estimate, telemetry
 from dtlab.model import GPT, MLP, CausalSelfAttention, GPTConfig, SyntheticTokens
+from dtlab.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelDropout,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RowParallelLinear,
+    TensorParallelStage,
+    TPRandom,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    load_shards_,
+    reduce_from_tp,
+    tensor_parallel_gpt,
+    tp_train_step,
+    vocab_parallel_cross_entropy,
+)
 from dtlab.topology import Layout, Topology
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # see the module docstring
@@ -56,11 +71,11 @@ def _operators(tp):
     axis = _topo(tp).axis("tp")
     r = float(axis.index + 1)
     x = torch.full((3,), r, requires_grad=True)
-    y = tpm.copy_to_tp(x, axis)  # f
+    y = copy_to_tp(x, axis)  # f
     (y * r).sum().backward()  # each rank's dL/dy = r
     f_out = (torch.equal(y, x), x.grad.tolist())
     x = torch.full((3,), r, requires_grad=True)
-    y = tpm.reduce_from_tp(x, axis)  # g
+    y = reduce_from_tp(x, axis)  # g
     (y * r).sum().backward()
     return {"f": f_out, "g": (y.tolist(), x.grad.tolist())}
 
@@ -84,7 +99,7 @@ def _linear(tp):
     lin, x, gy = full(16, 24, 10)
     y_full = lin(x)
     for gather in (False, True):  # Y_i = X A_i, and gathered into the whole Y
-        col = tpm.ColumnParallelLinear.from_linear(lin, axis, gather_output=gather)
+        col = ColumnParallelLinear.from_linear(lin, axis, gather_output=gather)
         xl = x.detach().clone().requires_grad_()
         y = col(xl)
         y.backward(gy if gather else mine(gy, -1))
@@ -97,9 +112,7 @@ def _linear(tp):
     lin, x, gy = full(24, 16, 20)
     y_full = lin(x)
     for parallel_in in (True, False):  # X already split, or split on entry
-        row = tpm.RowParallelLinear.from_linear(
-            lin, axis, input_is_parallel=parallel_in
-        )
+        row = RowParallelLinear.from_linear(lin, axis, input_is_parallel=parallel_in)
         xl = (mine(x.detach(), -1) if parallel_in else x.detach()).clone()
         xl.requires_grad_()
         y = row(xl)
@@ -117,21 +130,21 @@ def _blocks(tp, sp):
     """ParallelMLP and ParallelSelfAttention against dtlab.model's MLP and attention
     (same weights), plain TP and sequence parallel."""
     axis = _topo(tp).axis("tp")
-    rng = tpm.TPRandom(0, axis)
+    rng = TPRandom(0, axis)
     cfg = GPTConfig(d_model=32, n_heads=4, seq_len=8)
     out = {}
     torch.manual_seed(0)  # torch's default init: the same full layer on every rank
     for kind in ("mlp", "attn"):
         if kind == "mlp":
             full = MLP(cfg)
-            par = tpm.ParallelMLP(32, cfg.d_ff, axis, rng, sequence_parallel=sp)
+            par = ParallelMLP(32, cfg.d_ff, axis, rng, sequence_parallel=sp)
         else:
             full = CausalSelfAttention(cfg)
             with torch.no_grad():  # non-zero biases, so a bias added twice shows
                 for p in full.parameters():
                     p.add_(0.1 * _rand(*p.shape, seed=p.numel()))
-            par = tpm.ParallelSelfAttention(32, 4, axis, rng, sequence_parallel=sp)
-        tpm.load_shards_(par, full, axis)
+            par = ParallelSelfAttention(32, 4, axis, rng, sequence_parallel=sp)
+        load_shards_(par, full, axis)
         x = _rand(2, 8, 32, seed=5).requires_grad_()
         gy = _rand(2, 8, 32, seed=6)
         y_full = full(x)
@@ -146,11 +159,11 @@ def _blocks(tp, sp):
             par_grads = {n: p.grad.clone() for n, p in par.named_parameters()}
             # the row-parallel bias saw only my tokens: sum its grad over tp
             b = par_grads["proj.bias"]
-            tpm.comm.all_reduce(b, group=axis)
+            comm.all_reduce(b, group=axis)
         else:
             par_grads = {n: p.grad for n, p in par.named_parameters()}
-        diffs = [_close(y, y_full), _close(xl.grad, x.grad.chunk(tp, 1)[axis.index])
-                 if sp else _close(xl.grad, x.grad)]  # fmt: skip
+        want_dx = x.grad.chunk(tp, 1)[axis.index] if sp else x.grad
+        diffs = [_close(y, y_full), _close(xl.grad, want_dx)]
         for name, p in full.named_parameters():
             q = dict(par.named_parameters())[name]
             dim = getattr(q, "tensor_parallel_dim", None)
@@ -171,15 +184,15 @@ def _vocab(tp):
     idx = torch.randint(V, (3, 7), generator=torch.Generator().manual_seed(2))
     gy = _rand(3, 7, C, seed=3)
     emb(idx).backward(gy)
-    par = tpm.VocabParallelEmbedding.from_embedding(emb, axis)
+    par = VocabParallelEmbedding.from_embedding(emb, axis)
     y = par(idx)
     y.backward(gy)
     padded = torch.cat([emb.weight.grad, torch.zeros(par.padded_size - V, C)])
+    want_dw = padded.chunk(tp, 0)[axis.index]
     out = {
         "padded_size": par.padded_size,
-        "embedding": [_close(y, emb(idx)),
-                      _close(par.weight.grad, padded.chunk(tp, 0)[axis.index])],
-    }  # fmt: skip
+        "embedding": [_close(y, emb(idx)), _close(par.weight.grad, want_dw)],
+    }
     logits = (3 * _rand(4, 6, V, seed=4)).requires_grad_()
     targets = torch.randint(V, (4, 6), generator=torch.Generator().manual_seed(5))
     targets[0, :4] = torch.tensor([0, V - 1, par.per_rank - 1, par.per_rank])  # edges
@@ -188,7 +201,7 @@ def _vocab(tp):
     pad = torch.full((4, 6, par.padded_size - V), 123.0)  # junk: must be masked
     local = torch.cat([logits.detach(), pad], -1).chunk(tp, -1)[axis.index]
     local.requires_grad_()
-    tp_loss = tpm.vocab_parallel_cross_entropy(local, targets, axis, V)
+    tp_loss = vocab_parallel_cross_entropy(local, targets, axis, V)
     tp_loss.backward()
     grad_full = torch.cat([logits.grad, torch.zeros_like(pad)], -1)
     out["cross_entropy"] = [
@@ -210,7 +223,7 @@ def _gpt(tp):
     want = {n: p.grad for n, p in model.named_parameters()}
     out, grads = {"loss": loss.item()}, {}
     for sp in (False, True):
-        tp_model = tpm.tensor_parallel_gpt(model, topo, sequence_parallel=sp)
+        tp_model = tensor_parallel_gpt(model, topo, sequence_parallel=sp)
         local_logits, tp_loss = tp_model(x, y)
         tp_loss.backward()
         tp_model.finish_gradient_synchronization()
@@ -233,19 +246,17 @@ def _train(tp, sp, steps, batch):
     from dtlab.reference import make_optimizer
 
     topo = _topo(tp)
-    model = tpm.tensor_parallel_gpt(CFG, topo, sequence_parallel=sp)
+    model = tensor_parallel_gpt(CFG, topo, sequence_parallel=sp)
     opt = make_optimizer(model.parameters())
     data = SyntheticTokens(CFG.vocab_size, CFG.seq_len)
-    records = [
-        tpm.tp_train_step(model, opt, *data.batch(s, batch)) for s in range(steps)
-    ]
+    records = [tp_train_step(model, opt, *data.batch(s, batch)) for s in range(steps)]
     return records, model.full_tensors()
 
 
 def _counts(tp, sp):
     """Telemetry of one forward + backward of the TP GPT."""
     topo = _topo(tp)
-    model = tpm.tensor_parallel_gpt(CFG, topo, sequence_parallel=sp)
+    model = tensor_parallel_gpt(CFG, topo, sequence_parallel=sp)
     x, y = SyntheticTokens(CFG.vocab_size, CFG.seq_len).batch(0, 4)
     rec = telemetry.Recorder(topo.rank)
     with telemetry.use(rec):
@@ -260,11 +271,11 @@ def _dropout(tp):
     where they are sharded; the replicated residual stream stays equal."""
     topo = _topo(tp)
     axis = topo.axis("tp")
-    rng = tpm.TPRandom(7, axis)
+    rng = TPRandom(7, axis)
     ones = torch.ones(4, 64)
-    masks = {s: tpm.ParallelDropout(0.5, rng, sharded=s)(ones) for s in (False, True)}
+    masks = {s: ParallelDropout(0.5, rng, sharded=s)(ones) for s in (False, True)}
     cfg = GPTConfig(vocab_size=50, dropout=0.2)
-    model = tpm.tensor_parallel_gpt(cfg, topo, seed=3)
+    model = tensor_parallel_gpt(cfg, topo, seed=3)
     seen = []
     model.ln_f.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
     x, y = SyntheticTokens(cfg.vocab_size, cfg.seq_len).batch(0, 2)
@@ -288,8 +299,7 @@ def _dtensor(tp):
     cfg = GPTConfig(d_model=32, n_heads=4)
     torch.manual_seed(0)  # the same full MLP on every rank
     full = MLP(cfg)
-    ours = tpm.load_shards_(tpm.ParallelMLP(32, 128, axis, tpm.TPRandom(0, axis)),
-                            full, axis)  # fmt: skip
+    ours = load_shards_(ParallelMLP(32, 128, axis, TPRandom(0, axis)), full, axis)
     mesh = DeviceMesh.from_group(topo.group("tp"), "cpu")
     theirs = parallelize_module(
         full, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
@@ -369,7 +379,7 @@ def test_tp1_is_the_gpt_bit_for_bit():
     topo = Topology(Layout(), 0)  # no process group needed: nothing to exchange
     for cfg in (CFG, GPTConfig(tied_head=False)):
         model = GPT(cfg)
-        tp_model = tpm.tensor_parallel_gpt(model, topo)
+        tp_model = tensor_parallel_gpt(model, topo)
         x, y = SyntheticTokens(cfg.vocab_size, cfg.seq_len).batch(1, 3)
         logits, loss = model(x, y)
         tp_logits, tp_loss = tp_model(x, y)
@@ -379,6 +389,51 @@ def test_tp1_is_the_gpt_bit_for_bit():
         got = tp_model.full_tensors(grads=True)
         for name, p in model.named_parameters():
             assert torch.equal(got[name], p.grad), name
+
+
+def test_pipeline_stages_at_tp1_are_the_gpt_bit_for_bit():
+    # the stage class the whole GPT is made of also splits pipeline stages: two
+    # stages of a plain pipeline, each through from_stage, chained, are the GPT
+    from dtlab.pipeline import build_stages
+
+    axis = Topology(Layout(), 0).axis("tp")
+    model = GPT(CFG)
+    x, y = SyntheticTokens(CFG.vocab_size, CFG.seq_len).batch(1, 3)
+    logits, loss = model(x, y)
+    first, last = (
+        TensorParallelStage.from_stage(build_stages(CFG, 2, r)[0], axis) for r in (0, 1)
+    )
+    assert (first.first, first.last, last.first, last.last) == (
+        True,
+        False,
+        False,
+        True,
+    )
+    assert list(last.blocks) == ["1"] and last.blocks[1] is last.blocks["1"]
+    h = first(x)  # (B, T, C): activations, handed to the next stage
+    assert h.shape == (3, CFG.seq_len, CFG.d_model)
+    assert torch.equal(last(h), logits)  # no targets: the logits alone
+    got_logits, got_loss = last(h, y)  # with targets: (logits, loss), as GPT
+    assert torch.equal(got_logits, logits) and torch.equal(got_loss, loss)
+    assert torch.equal(last.loss(got_logits, y), loss)
+    # the tied head copy reports the GPT's name, as StageModule's does
+    assert "wte.weight" in dict(last.global_named_parameters())
+
+
+def test_the_old_public_names_still_work():
+    import dtlab.tensor_parallel as package
+
+    old = """copy_to_tp reduce_from_tp gather_from_tp scatter_to_tp gather_from_sp
+    reduce_scatter_to_sp TPRandom ParallelDropout ColumnParallelLinear
+    RowParallelLinear ParallelMLP ParallelSelfAttention VocabParallelEmbedding
+    vocab_parallel_cross_entropy ParallelBlock TensorParallelGPT TensorParallelStage
+    tensor_parallel_gpt load_shards_ tp_train_step tp_grad_norm""".split()
+    assert set(old) <= set(package.__all__)
+    assert all(hasattr(package, name) for name in package.__all__)
+    # TensorParallelGPT(config, topo) builds the whole GPT as one stage
+    model = package.TensorParallelGPT(CFG, Topology(Layout(tp=2), 0))
+    assert isinstance(model, TensorParallelStage) and model.first and model.last
+    assert len(model.blocks) == CFG.n_layers
 
 
 @pytest.mark.parametrize("tp,sp", [(2, False), (4, True)])
@@ -402,8 +457,9 @@ def test_collectives_per_layer_match_the_estimate(lab_cluster, sp):
     tp, B, T, C = 4, 4, CFG.seq_len, CFG.d_model
     events = lab_cluster(4).run(_counts, tp, sp)
     expected = estimate.tp_collectives_per_layer(sp)
-    predicted = estimate.tp_bytes_per_layer(B, T, C, tp, bytes_per_value=4,
-                                            sequence_parallel=sp)  # fmt: skip
+    predicted = estimate.tp_bytes_per_layer(
+        B, T, C, tp, bytes_per_value=4, sequence_parallel=sp
+    )
     for rank_events in events:
         assert all(e["axis"] == "tp" for e in rank_events)
         for layer in range(CFG.n_layers):
@@ -421,8 +477,8 @@ def test_collectives_per_layer_match_the_estimate(lab_cluster, sp):
         # outside the layers: the embedding's g (or ḡ), the head's f (or SP gather),
         # three one-number-per-token all-reduces in the loss, and under SP one
         # coalesced all-reduce of the LayerNorm/bias/position gradients
-        other = sorted((e["tag"], e["op"]) for e in rank_events
-                       if not e["tag"].startswith("blocks."))  # fmt: skip
+        outside = [e for e in rank_events if not e["tag"].startswith("blocks.")]
+        other = sorted((e["tag"], e["op"]) for e in outside)
         if sp:
             assert other == [
                 ("head:bwd", "reduce_scatter"),
@@ -433,9 +489,11 @@ def test_collectives_per_layer_match_the_estimate(lab_cluster, sp):
                 ("wte:fwd", "reduce_scatter"),
             ]
         else:
-            assert other == [("head:bwd", "all_reduce"),
-                             *[("loss:fwd", "all_reduce")] * 3,
-                             ("wte:fwd", "all_reduce")]  # fmt: skip
+            assert other == [
+                ("head:bwd", "all_reduce"),
+                *[("loss:fwd", "all_reduce")] * 3,
+                ("wte:fwd", "all_reduce"),
+            ]
 
 
 def test_dropout_masks_replicated_vs_sharded(lab_cluster):
@@ -477,31 +535,30 @@ def test_standalone_layers_draw_one_consistent_full_matrix():
             for r in range(tp)
         ]
 
-    whole = shards(1, tpm.ColumnParallelLinear, "fc")[0]
-    assert torch.equal(torch.cat(shards(4, tpm.ColumnParallelLinear, "fc"), 0), whole)
-    whole = shards(1, tpm.RowParallelLinear, "proj")[0]
-    assert torch.equal(torch.cat(shards(4, tpm.RowParallelLinear, "proj"), 1), whole)
+    whole = shards(1, ColumnParallelLinear, "fc")[0]
+    assert torch.equal(torch.cat(shards(4, ColumnParallelLinear, "fc"), 0), whole)
+    whole = shards(1, RowParallelLinear, "proj")[0]
+    assert torch.equal(torch.cat(shards(4, RowParallelLinear, "proj"), 1), whole)
     axis = Topology(Layout(), 0).axis("tp")
-    attn = tpm.ParallelSelfAttention(16, 4, axis, tpm.TPRandom(0, axis))
+    attn = ParallelSelfAttention(16, 4, axis, TPRandom(0, axis))
     assert not torch.equal(attn.q.weight, attn.k.weight)  # each layer its own draw
 
 
 def test_bad_sizes_raise_clear_errors():
     axis = Topology(Layout(tp=4), 0).axis("tp")  # rank arithmetic only
-    rng = tpm.TPRandom(0, axis)
+    rng = TPRandom(0, axis)
     with pytest.raises(ValueError, match="tp=4 does not divide n_heads=6"):
-        tpm.ParallelSelfAttention(48, 6, axis, rng)
+        ParallelSelfAttention(48, 6, axis, rng)
     with pytest.raises(ValueError, match="does not divide out_features=10"):
-        tpm.ColumnParallelLinear(8, 10, axis)
+        ColumnParallelLinear(8, 10, axis)
     with pytest.raises(ValueError, match="does not divide in_features=6"):
-        tpm.RowParallelLinear(6, 8, axis)
+        RowParallelLinear(6, 8, axis)
     with pytest.raises(ValueError, match="seq_len=30"):
-        tpm.TensorParallelGPT(GPTConfig(seq_len=30), Topology(Layout(tp=4), 0),
-                              sequence_parallel=True)  # fmt: skip
+        TensorParallelStage(GPTConfig(seq_len=30), axis, sequence_parallel=True)
     with pytest.raises(ValueError, match="dropout"):
-        tpm.ParallelDropout(1.0, rng, sharded=False)
+        ParallelDropout(1.0, rng, sharded=False)
     with pytest.raises(ValueError, match="do not match logits"):
-        tpm.vocab_parallel_cross_entropy(torch.zeros(2, 3, 5), torch.zeros(2, 4), axis)
+        vocab_parallel_cross_entropy(torch.zeros(2, 3, 5), torch.zeros(2, 4), axis)
 
 
 def test_tp_estimates():
@@ -533,8 +590,13 @@ def test_tp_estimates():
         estimate.tp_step_time(1, 1, 8, 8, 2, link="carrier pigeon")
     # parameters per rank: exact for dtlab's GPT, model_params at tp=1
     for cfg in (CFG, GPTConfig(tied_head=False, bias=False)):
-        kw = dict(seq_len=cfg.seq_len, d_ff=cfg.d_ff, bias=cfg.bias, layernorm=True,
-                  tied_embeddings=cfg.tied_head)  # fmt: skip
+        kw = dict(
+            seq_len=cfg.seq_len,
+            d_ff=cfg.d_ff,
+            bias=cfg.bias,
+            layernorm=True,
+            tied_embeddings=cfg.tied_head,
+        )
         assert (
             estimate.tp_params_per_rank(
                 cfg.n_layers, cfg.d_model, cfg.vocab_size, 1, **kw
@@ -543,9 +605,7 @@ def test_tp_estimates():
         )
         for tp in (2, 4):
             topo = Topology(Layout(tp=tp), 0)
-            held = sum(
-                p.numel() for p in tpm.tensor_parallel_gpt(cfg, topo).parameters()
-            )
+            held = sum(p.numel() for p in tensor_parallel_gpt(cfg, topo).parameters())
             assert held == estimate.tp_params_per_rank(
                 cfg.n_layers, cfg.d_model, cfg.vocab_size, tp, **kw
             )
