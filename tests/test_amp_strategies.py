@@ -127,11 +127,11 @@ def _zero(precision, scaler, stage):
 
 
 def _tp(precision, scaler):
-    from dtlab import tensor_parallel as tpm
+    from dtlab.tensor_parallel import tensor_parallel_gpt
     from dtlab.topology import Layout, Topology
 
     topo = Topology(Layout(dp=2, tp=2))
-    model = tpm.tensor_parallel_gpt(CFG, topo).to(amp.policy(precision).compute_dtype)
+    model = tensor_parallel_gpt(CFG, topo).to(amp.policy(precision).compute_dtype)
     dp = topo.axis("dp")
     # each rank holds different tp slices; dp replicas hold the same ones
     opt = amp.MixedPrecisionOptimizer(

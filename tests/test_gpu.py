@@ -54,9 +54,9 @@ def _every_strategy_on_one_gpu():
     import torch.distributed as dist
 
     from dtlab import memory
-    from dtlab import tensor_parallel as tpm
     from dtlab.ddp import DistributedDataParallel
     from dtlab.pipeline import Pipeline
+    from dtlab.tensor_parallel import tensor_parallel_gpt
     from dtlab.topology import Layout, Topology
     from dtlab.zero import FullyShardedDataParallel
 
@@ -91,7 +91,7 @@ def _every_strategy_on_one_gpu():
     )  # fmt: skip
 
     topo = Topology(Layout())
-    tp = tpm.tensor_parallel_gpt(CFG, topo).cuda()
+    tp = tensor_parallel_gpt(CFG, topo).cuda()
     out["tp"] = _train(tp, make_optimizer(tp.parameters()), batches)
 
     pipe = Pipeline(CFG, topo, "1f1b", microbatches=2)

@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from dtlab.events import Span
+from dtlab.memory import SavedBytes
 from dtlab.pipeline.schedules import Action
 
 __all__ = ["StepState"]
@@ -60,21 +61,11 @@ class StepState:
         storage once: the activation memory this microbatch-chunk holds. Where
         the weights are is looked up again for an unknown storage (ZeRO-3 gathers
         a stage's weights into fresh memory before its forward)."""
-        held: dict[int, int] = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in held and ptr not in {
-                q.untyped_storage().data_ptr() for q in self.weights
-            }:
-                held[ptr] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        counter = SavedBytes(lambda: self.weights)
+        with counter:
             yield
-        self.saved[key] = sum(held.values())
-        self.saved_ptrs[key] = set(held)
+        self.saved[key] = counter.bytes
+        self.saved_ptrs[key] = counter.ptrs
 
     def sending(self, work, tensor, output_of: tuple | None = None) -> None:
         """Keep ``tensor`` alive until its ``isend`` completes. The output of
