@@ -58,7 +58,7 @@ from torch import nn
 
 from dtlab import amp, comm
 from dtlab.events import zero_stage
-from dtlab.memory import count_bytes, nbytes
+from dtlab.memory import count_bytes
 from dtlab.model import GPT
 from dtlab.recompute import apply_activation_checkpointing
 from dtlab.topology import Topology
@@ -134,23 +134,20 @@ class Parallelized:
                 for key, value in count_bytes(w.memory_tensors(inner)).items():
                     out[key] = out.get(key, 0) + value
         else:
+            # by storage: DDP's gradients are views of its buckets (one Ψ, not two)
             weights = self.weights()
-            state = inner.state.values()
             masters = self.optimizer.masters if self.policy.has_master_copy else []
-            out = {
-                "params": sum(nbytes(p) for p in weights),
-                "grads": sum(nbytes(p.grad) for p in weights),
-                "optimizer": sum(nbytes(m) for m in masters)
-                + sum(
-                    nbytes(v) for s in state for v in s.values() if torch.is_tensor(v)
-                ),
-                "buffers": sum(
-                    nbytes(b.buffer)
-                    for w in self.wrapped
-                    for b in getattr(w, "buckets", [])
-                    if b.buffer is not None
-                ),
-            }
+            states = [v for s in inner.state.values() for v in s.values()]
+            buckets = [
+                b.buffer for w in self.wrapped for b in getattr(w, "buckets", [])
+            ]
+            out = count_bytes(
+                [("params", p) for p in weights]
+                + [("grads", p.grad) for p in weights if p.grad is not None]
+                + [("optimizer", m) for m in masters]
+                + [("optimizer", v) for v in states if torch.is_tensor(v)]
+                + [("buffers", b) for b in buckets if b is not None]
+            )
         out["activations"] = activations
         # what this rank holds at once, at most: state plus a step's activations
         out["peak"] = sum(v for k, v in out.items() if not k.startswith("host_"))

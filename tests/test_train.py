@@ -132,7 +132,9 @@ def test_lab_train_streams_records_that_match_the_reference(lab_cluster):
     assert {"step", "span", "comm", "ddp_bucket", "memory"} <= kinds
     memory = [e for e in run.events if e["kind"] == "memory"][-1]
     assert memory["params"] == memory["grads"] == psi * 4
-    assert memory["optimizer"] >= 2 * psi * 4 and memory["buffers"] == psi * 4
+    assert memory["optimizer"] >= 2 * psi * 4
+    # the gradients are views of DDP's buckets: the buckets cost nothing more
+    assert memory["buffers"] == 0
 
     same_topo, mismatch, params = cluster.run(_layouts_and_records, timeout=120)[0]
     assert same_topo and "world has 4" in mismatch

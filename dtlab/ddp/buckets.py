@@ -39,10 +39,24 @@ class Bucket:
     numel: int
     dtype: torch.dtype
     buffer: torch.Tensor | None = field(default=None, repr=False)
+    views: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def allocate(self) -> torch.Tensor:
+        """The flat buffer (allocated once, on the parameters' device) and, in
+        :attr:`views`, each parameter's slice of it in the parameter's shape: what
+        the parameters' ``.grad`` point at (PyTorch's ``gradient_as_bucket_view``)."""
+        if self.buffer is None:
+            device = self.params[0].device
+            self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=device)
+            self.views = [
+                self.buffer[off : off + p.numel()].view_as(p)
+                for p, off in zip(self.params, self.offsets)
+            ]
+        return self.buffer
 
 
 def make_buckets(params, names: dict[int, str], bucket_cap_mb: float) -> list[Bucket]:

@@ -51,12 +51,14 @@ class DistributedDataParallel(nn.Module):
       all replicas start equal (whatever seed each rank used).
     - Trainable parameters are packed into buckets of about ``bucket_cap_mb`` MiB, in
       reverse registration order (:func:`dtlab.estimate.ddp_bucket_assignment`).
+    - Each parameter's ``.grad`` is its slice of its bucket (set at forward), so
+      autograd adds the gradient straight into the flat buffer.
     - A post-accumulate-grad hook per parameter counts the gradients that are ready;
-      when a bucket is complete, and every bucket before it has been launched, its
-      gradients are copied into its flat buffer, pre-divided by N, and an async
-      all-reduce starts (:func:`dtlab.comm.all_reduce`), while backward goes on.
+      when a bucket is complete, and every bucket before it has been launched, the
+      bucket is pre-divided by N and its async all-reduce starts
+      (:func:`dtlab.comm.all_reduce`), while backward goes on.
     - A callback queued on the autograd engine runs when backward ends: it waits for
-      the buckets still in flight and copies the averaged values back into ``.grad``.
+      the buckets still in flight; ``.grad`` then holds the average.
     - ``no_sync()``: forward passes inside it skip the all-reduce, so their
       gradients accumulate locally; the first backward outside it averages the sum.
     - Frozen parameters (``requires_grad=False``) are left out of the buckets; a
@@ -153,6 +155,8 @@ class DistributedDataParallel(nn.Module):
         self._reset_backward()
         self._sync = self.require_backward_grad_sync and self.world_size > 1
         self._armed = True  # hooks act only in a backward of our own forward
+        if self.world_size > 1 and not self.find_unused_parameters:
+            self._point_grads_at_buckets()
         out = self.module(*args, **kwargs)
         roots = [t for t in tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
         for t in roots:
@@ -177,6 +181,26 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    @torch.no_grad()
+    def _point_grads_at_buckets(self) -> None:
+        """Give every parameter without a gradient a zeroed slice of its bucket as
+        ``.grad``: autograd then adds the gradient into the bucket itself, and
+        neither a copy in before the all-reduce nor a copy out after it is needed
+        (PyTorch's ``gradient_as_bucket_view``; also one Ψ of memory less). Not
+        with ``find_unused_parameters``, where a parameter no rank used must keep
+        ``.grad = None``."""
+        for b in self.buckets:
+            b.allocate()
+            if all(p.grad is None for p in b.params):
+                b.buffer.zero_()  # the usual case after zero_grad(set_to_none=True)
+                for p, view in zip(b.params, b.views):
+                    p.grad = view
+                continue
+            for p, view in zip(b.params, b.views):
+                if p.grad is None:
+                    view.zero_()
+                    p.grad = view
 
     # ---- backward: hooks ----------------------------------------------------------
     def _reset_backward(self) -> None:
@@ -228,20 +252,16 @@ class DistributedDataParallel(nn.Module):
             self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        if bucket.buffer is None:
-            bucket.buffer = torch.zeros(
-                bucket.numel, dtype=bucket.dtype, device=bucket.params[0].device
-            )
-        scale = 1.0 / self.world_size
+        bucket.allocate()
         with torch.no_grad():
-            for p, off in zip(bucket.params, bucket.offsets):
-                view = bucket.buffer[off : off + p.numel()]
+            for p, view in zip(bucket.params, bucket.views):
                 if p.grad is None:
                     view.zero_()  # unused here: contributes nothing
-                else:
-                    # divide before summing, as PyTorch's reducer does (keeps fp16
-                    # sums in range); exact when N is a power of two
-                    torch.mul(p.grad.reshape(-1), scale, out=view)
+                elif p.grad is not view:
+                    view.copy_(p.grad)  # a gradient autograd did not add in place
+            # divide before summing, as PyTorch's reducer does (keeps fp16 sums in
+            # range); exact when N is a power of two
+            bucket.buffer.mul_(1.0 / self.world_size)
         done = [None]  # completion time, stamped on the communication thread
         entry = {"bucket": bucket, "t_launch": telemetry.clock(), "done": done}
         handle = comm.all_reduce(
@@ -287,8 +307,8 @@ class DistributedDataParallel(nn.Module):
         self._finalize(t_end)
 
     def _finalize(self, t_backward_end: float) -> None:
-        """Wait for every bucket in flight, write the averages back into ``.grad``,
-        record what the step cost."""
+        """Wait for every bucket in flight (each parameter's ``.grad`` is its slice
+        of the bucket, now holding the average), record what the step cost."""
         rec = telemetry.current()
         used = (
             globally_used(self._params, self._used_since_sync, self.process_group)
@@ -305,15 +325,11 @@ class DistributedDataParallel(nn.Module):
             )
             entry["t_waited"] = t_waited
             bucket = entry["bucket"]
-            with torch.no_grad():
-                for p, off in zip(bucket.params, bucket.offsets):
-                    if used is not None and id(p) not in used:
-                        continue  # no rank used it: leave .grad as it was
-                    avg = bucket.buffer[off : off + p.numel()].view_as(p)
-                    if p.grad is None:
-                        p.grad = avg.clone()
-                    else:
-                        p.grad.copy_(avg)
+            for p, view in zip(bucket.params, bucket.views):
+                if used is not None and id(p) not in used:
+                    continue  # no rank used it: leave .grad as it was
+                if p.grad is not view:
+                    p.grad = view  # the average, where the bucket holds it
             payload += bucket.nbytes
             wire += wire_bytes("all_reduce", bucket.nbytes, self.world_size)
         t_synced = telemetry.clock()
