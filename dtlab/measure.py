@@ -55,7 +55,7 @@ def predicted_memory(config, layout: Layout, stage=None) -> dict:
         schedule=config.schedule, chunks=config.chunks,
         checkpointing=config.activation_checkpointing,
         sequence_parallel=config.sequence_parallel, offload=config.offload,
-        stage=stage,
+        stage=stage, activations="dtlab",
     )  # fmt: skip
 
 

@@ -423,8 +423,10 @@ def shard_batch(
     x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a global batch along dim 0 into ``world_size`` contiguous slices and
-    return slice ``rank`` (a view). Concatenating all ranks' slices in rank order gives
-    the global batch back, which is what makes DP parity with one process possible."""
+    return slice ``rank``, as its own tensors: the rank keeps its rows only, as a
+    data loader would hand them (a view would keep the whole global batch alive).
+    Concatenating all ranks' slices in rank order gives the global batch back, which
+    is what makes DP parity with one process possible."""
     positive_int("world_size", world_size)
     if (
         isinstance(rank, bool)
@@ -442,4 +444,4 @@ def shard_batch(
         )
     per_rank = B // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    return x[rows], y[rows]  # (B / world_size, T) each
+    return x[rows].clone(), y[rows].clone()  # (B / world_size, T) each

@@ -155,7 +155,11 @@ class Trainer:
         k = cfg.grad_accum_steps
         counter = self._activation_counter(rec)
         losses, peak = [], 0
-        for m, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):  # (B/(dp·k), T)
+        if k > 1:  # each micro-batch its own tensors, as a loader hands them
+            x, y = [c.clone() for c in x.chunk(k)], [c.clone() for c in y.chunk(k)]
+        else:
+            x, y = [x], [y]
+        for m, (xm, ym) in enumerate(zip(x, y)):  # (B/(dp·k), T)
             # without a pipeline the last micro-batch's backward synchronizes (and
             # overlaps doing so); a pipeline synchronizes after its last flush
             quiet = parts.pipe is not None or m < k - 1

@@ -1,7 +1,10 @@
 """Activations: the bytes a transformer layer keeps for the backward pass.
 
 Korthikanti et al. 2022, with tensor and sequence parallelism and selective or
-full recomputation.
+full recomputation (:func:`activation_bytes_per_layer`, the paper's count, for the
+planner's large models), and what dtlab's own GPT really keeps
+(:func:`dtlab_saved_bytes_per_layer`, exact against the saved-tensor hooks of
+:class:`dtlab.memory.SavedBytes`). They differ in four terms, each said below.
 
 Taught in chapter 00 (why distribute); chapters 04, 05 and 08 set it next to
 measured peaks.
@@ -69,6 +72,108 @@ def activation_bytes_per_layer(
     else:
         per_layer = sbh * (10 + 24 / t + scores / t)
     return per_layer * bytes_per_value / 2
+
+
+def dtlab_saved_bytes_per_layer(
+    seq_len: int,
+    micro_batch: int,
+    d_model: int,
+    n_heads: int,
+    *,
+    d_ff: int | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    bytes_per_value: int = 4,
+    dropout: bool = False,
+) -> float:
+    """The bytes one block of :class:`dtlab.model.GPT` saves for backward, exactly
+    (the saved-tensor hooks of chapter 08 measure this number).
+
+    The paper's terms in values of ``bytes_per_value`` bytes (v), with
+    ``f = d_ff / d_model`` (4 in GPT-2), tp = t:
+
+    - replicated over tp: the two LayerNorms' inputs and the inputs of q/k/v and of
+      fc, ``4·sbh`` values; divided by t: q and k (the scores' inputs), v, the
+      output projection's input, and the MLP's GELU input and output, ``(4 +
+      2f)·sbh/t``; the score matrix ``a·s²·b/t`` (softmax output);
+    - dropout, when on: its three 1-byte masks (``2·sbh`` + ``as²b/t``) and the
+      attention dropout's output (``as²b/t`` values). dtlab's GPT defaults to no
+      dropout: the paper always counts them;
+    - beyond the paper: each LayerNorm's mean and 1/std (``2·2·sb`` values) and
+      the causal mask, ``s²`` bools (built per layer, not divided by tp).
+
+    Sequence parallelism divides by t everything but the causal mask and the inputs
+    of q/k/v and fc: dtlab keeps those as the all-gather made them, whole
+    (``2·sbh``), where Megatron-LM keeps the local shard and all-gathers it again in
+    backward (Korthikanti §4.2.2), a collective traded for ``2·sbh·(1 - 1/t)``.
+    Selective recomputation drops the score terms and the mask; full recomputation
+    keeps the block's input only (``sbh`` values, divided by t under sequence
+    parallelism). With v = 2, f = 4, dropout on and no LayerNorm statistics or
+    mask, this is Korthikanti's ``sbh(10 + 24/t + 5as/(ht))``.
+    """
+    for name, value in (
+        ("seq_len", seq_len),
+        ("micro_batch", micro_batch),
+        ("d_model", d_model),
+        ("n_heads", n_heads),
+        ("tp", tp),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    recompute = one_of("recompute mode", recompute, RECOMPUTE)
+    s, b, h, a, t, v = seq_len, micro_batch, d_model, n_heads, tp, bytes_per_value
+    f = (d_ff or 4 * d_model) / d_model
+    sbh, sb = s * b * h, s * b
+    split = t if sequence_parallel else 1  # what the replicated terms are divided by
+    if recompute == "full":
+        return v * sbh / split
+    # LayerNorm inputs (2), q/k/v and fc inputs (2, gathered whole under SP), the
+    # tp-split inputs (q, k, v, proj: 4; GELU in and out: 2f), LayerNorm statistics
+    linear = v * sbh * (2 / split + 2 + (4 + 2 * f) / t) + v * 2 * 2 * sb / split
+    masks = 2 * sbh / split if dropout else 0.0
+    if recompute == "selective":
+        return linear + masks
+    scores = v * a * s * s * b / t * (2 if dropout else 1)
+    scores += a * s * s * b / t if dropout else 0.0  # the attention dropout's mask
+    return linear + masks + scores + s * s
+
+
+def dtlab_saved_bytes_outside_layers(
+    seq_len: int,
+    micro_batch: int,
+    d_model: int,
+    vocab_size: int,
+    *,
+    first: bool = True,
+    last: bool = True,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    bytes_per_value: int = 4,
+    logits_bytes: int = 4,
+) -> float:
+    """What :class:`dtlab.model.GPT` saves outside its blocks: on the first stage
+    the token ids and positions (int64); on the last the final LayerNorm's input
+    and statistics, the head's input, the log-softmax of the cross-entropy
+    (``logits_bytes`` a value: 4 where the loss is computed in fp32) and the
+    targets (int64). Under tp the vocabulary is split: each rank's log-softmax is
+    its ``V/t`` columns, and the vocab-parallel embedding and cross-entropy each
+    keep a bool mask of the ids outside the rank's rows (instead of the one scalar
+    ``F.cross_entropy`` keeps). Sequence parallelism splits the final LayerNorm's
+    input and statistics; it also saves a few hundred bytes less than counted here
+    (256 at s = 32, b = 4, t = 2), which is not modelled."""
+    s, b, h, v = seq_len, micro_batch, d_model, bytes_per_value
+    split = tp if sequence_parallel else 1
+    out = 0.0
+    if first:
+        out += 8 * s * b + 8 * s  # ids (B, T) and positions (T,)
+        out += s * b if tp > 1 else 0  # the embedding's out-of-range mask
+    if last:
+        out += v * s * b * h * (1 + 1 / split) + 2 * v * s * b / split  # ln_f, head
+        vocab = -(-vocab_size // tp)  # padded to a multiple of tp, this rank's
+        out += logits_bytes * s * b * vocab + 8 * s * b  # log-softmax, targets
+        out += s * b if tp > 1 else logits_bytes  # the target mask, or total weight
+    return out
 
 
 def activation_bytes(

@@ -15,7 +15,12 @@ import math
 from dataclasses import dataclass
 
 from dtlab.checks import one_of, positive_int
-from dtlab.estimate.activations import RECOMPUTE, activation_bytes_per_layer
+from dtlab.estimate.activations import (
+    RECOMPUTE,
+    activation_bytes_per_layer,
+    dtlab_saved_bytes_outside_layers,
+    dtlab_saved_bytes_per_layer,
+)
 from dtlab.estimate.collectives import wire_bytes
 from dtlab.estimate.models import layer_params, model_spec
 from dtlab.estimate.pipeline import pipeline_in_flight
@@ -175,7 +180,7 @@ def value_bytes(precision: str) -> int:
 def _stage_memory(
     spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
     schedule, chunks, checkpointing, sequence_parallel, optimizer, offload, states,
-    seq_len,
+    seq_len, activations, dropout,
 ) -> dict[str, float]:  # fmt: skip
     sp = stage_params(spec, par, stage)
     group = par.dp * par.cp  # replicas of every weight (ZeRO shards over them)
@@ -199,14 +204,21 @@ def _stage_memory(
             host += st["host"]
         for k in out:
             out[k] += st[k]
-    # activations: Korthikanti per layer, for every microbatch (chunk) in flight
+    # activations: per layer (Korthikanti's, or what dtlab's GPT saves), for every
+    # microbatch (chunk) in flight
     s = seq_len or spec.seq_len
     b, bpv = micro_batch_size, value_bytes(precision)
     layer_kw = dict(tp=par.tp, sequence_parallel=sequence_parallel)
-    per_layer = activation_bytes_per_layer(
-        s, b, spec.d_model, spec.n_heads, recompute=checkpointing,
-        bytes_per_value=bpv, **layer_kw,
-    ) / par.cp  # fmt: skip
+    if activations == "dtlab":
+        per_layer = dtlab_saved_bytes_per_layer(
+            s, b, spec.d_model, spec.n_heads, d_ff=spec.d_ff, recompute=checkpointing,
+            bytes_per_value=bpv, dropout=dropout, **layer_kw,
+        ) / par.cp  # fmt: skip
+    else:
+        per_layer = activation_bytes_per_layer(
+            s, b, spec.d_model, spec.n_heads, recompute=checkpointing,
+            bytes_per_value=bpv, **layer_kw,
+        ) / par.cp  # fmt: skip
     if spec.n_experts > 1 and checkpointing != "full":
         # each token runs top_k experts: the MLP's 19sbh of the 34, k times
         per_layer += (
@@ -218,20 +230,40 @@ def _stage_memory(
         in_flight = pipeline_in_flight(par.pp, stage, microbatches, key, v)
         layers_in_flight = in_flight * sp["layers"] / v
         last_in_flight = 1 if key != "gpipe" else microbatches
+        first_in_flight = in_flight
     else:
-        layers_in_flight, last_in_flight = sp["layers"], 1
+        layers_in_flight, last_in_flight, first_in_flight = sp["layers"], 1, 1
     acts = layers_in_flight * per_layer
-    if checkpointing == "full" and sp["layers"]:
-        # backward recomputes one layer at a time: its whole activations, once
-        acts += activation_bytes_per_layer(
-            s, b, spec.d_model, spec.n_heads, bytes_per_value=bpv, **layer_kw
-        ) / par.cp  # fmt: skip
-    if stage == par.pp - 1:
-        # beyond Korthikanti's blocks: the final norm's and the head's inputs
-        # (2sbh) and the fp32 log-softmax of the cross-entropy (4·sb·V/t bytes)
-        tokens = s * b / par.cp
-        vocab = -(-spec.vocab_size // par.tp)
-        acts += last_in_flight * tokens * (2 * spec.d_model * bpv + 4 * vocab)
+    if activations == "dtlab":
+        # what the embeddings and the head save (tp = 1; the forward's count, so
+        # no recomputation transient)
+        first, last = stage == 0, stage == par.pp - 1
+        kw = dict(
+            tp=par.tp,
+            sequence_parallel=sequence_parallel,
+            bytes_per_value=bpv,
+            logits_bytes=bpv,
+        )
+        if first:
+            acts += first_in_flight * dtlab_saved_bytes_outside_layers(
+                s, b, spec.d_model, spec.vocab_size, first=True, last=False, **kw
+            )
+        if last:
+            acts += last_in_flight * dtlab_saved_bytes_outside_layers(
+                s, b, spec.d_model, spec.vocab_size, first=False, last=True, **kw
+            )
+    else:
+        if checkpointing == "full" and sp["layers"]:
+            # backward recomputes one layer at a time: its whole activations, once
+            acts += activation_bytes_per_layer(
+                s, b, spec.d_model, spec.n_heads, bytes_per_value=bpv, **layer_kw
+            ) / par.cp  # fmt: skip
+        if stage == par.pp - 1:
+            # beyond Korthikanti's blocks: the final norm's and the head's inputs
+            # (2sbh) and the fp32 log-softmax of the cross-entropy (4·sb·V/t bytes)
+            tokens = s * b / par.cp
+            vocab = -(-spec.vocab_size // par.tp)
+            acts += last_in_flight * tokens * (2 * spec.d_model * bpv + 4 * vocab)
     out["activations"] = acts
     out["total"] = sum(out.values())
     if offload:
@@ -256,6 +288,7 @@ def layout_memory(
     offload: bool = False,
     states: str = "dtlab",
     seq_len: int | None = None,
+    activations: str = "paper",
 ) -> dict[str, float]:
     """Bytes one device holds under ``layout``, by category:
     ``{"params", "grads", "optimizer", "activations", "total"}`` (and ``"host"``
@@ -278,8 +311,11 @@ def layout_memory(
       accumulation runs each backward right after its forward). Full
       checkpointing adds one layer's activations (the one being recomputed, live
       during its backward only); the last stage adds the head's inputs and the
-      fp32 log-softmax. An upper bound
-      for dtlab's GPT, which has no dropout (the paper counts dropout masks).
+      fp32 log-softmax. An upper bound for dtlab's GPT, which has no dropout
+      (the paper counts dropout masks). ``activations="dtlab"`` counts instead
+      what dtlab's GPT saves in its forward, exactly
+      (:func:`dtlab_saved_bytes_per_layer`, plus the embeddings' and the head's
+      saved tensors): what dtlab.memory measures.
 
     ``precision``: "fp32", or "bf16"/"fp16" (16-bit compute, fp32 master weights,
     2-byte activations), or "pure_bf16". ``microbatches``: per optimizer step and
@@ -299,6 +335,7 @@ def layout_memory(
     if offload and states == "paper":
         raise ValueError("offload is modelled with states='dtlab' only")
     checkpointing = one_of("checkpointing", checkpointing, RECOMPUTE)
+    activations = one_of("activations", activations, ("paper", "dtlab"))
     if par.pp > 1:
         schedule_name(schedule)
     kw = dict(
@@ -306,7 +343,8 @@ def layout_memory(
         micro_batch_size=micro_batch_size, microbatches=microbatches,
         schedule=schedule, chunks=chunks, checkpointing=checkpointing,
         sequence_parallel=sequence_parallel, optimizer=optimizer, offload=offload,
-        states=states, seq_len=seq_len,
+        states=states, seq_len=seq_len, activations=activations,
+        dropout=getattr(model, "dropout", 0.0) > 0,  # a dtlab GPTConfig's
     )  # fmt: skip
     if stage is not None:
         return _stage_memory(spec, par, stage, **kw)

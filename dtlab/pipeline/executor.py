@@ -202,7 +202,11 @@ class Pipeline:
                 f"a batch of {x.shape[0]} rows does not split into m={m} equal "
                 "microbatches: make the batch size a multiple of m"
             )
-        return x.tensor_split(m), y.tensor_split(m)
+        # each microbatch its own tensors: a stage keeps only the microbatches in
+        # flight (views would keep the whole batch alive)
+        xs = [part.clone() for part in x.tensor_split(m)]
+        ys = [part.clone() for part in y.tensor_split(m)]
+        return xs, ys
 
     def _new_step(self, x0: torch.Tensor) -> StepState:
         b, T = x0.shape
