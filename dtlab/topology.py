@@ -4,16 +4,27 @@ Taught in chapter 01 (ranks and groups) and chapter 07 (3D parallelism).
 
 A *layout* is the shape of the job: ``Layout(dp=2, tp=2, pp=1)`` asks for two
 data-parallel replicas, each split over two tensor-parallel ranks, in one pipeline
-stage. The world size is the product ``dp * tp * pp``.
+stage. Two more axes go beyond 3D (chapter 11): ``cp``, context parallelism, splits
+every sequence over cp ranks; ``ep``, expert parallelism, spreads a mixture of
+experts over ep ranks carved out of the ``dp·cp`` ranks that replicate the rest of
+the model (ep adds no ranks). The world size is ``dp * cp * tp * pp``.
 
-Rank order follows Megatron-LM: **tp varies fastest, then dp, then pp**::
+Rank order follows Megatron-LM: **tp varies fastest, then cp, then dp, then pp**::
 
-    rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
 so the ranks of one tensor-parallel group are neighbours (on a real machine: the GPUs
-of one node, joined by NVLink), and the pipeline stages are the slowest-varying
-coordinate (on a real cluster: different nodes). This is the one place that order is
-written down; everything else asks a ``Layout`` or a ``Topology``.
+of one node, joined by NVLink); the context-parallel ranks come next, because ring
+attention passes K/V every layer and wants the next-fastest links; the pipeline stages
+are the slowest-varying coordinate (on a real cluster: different nodes). Expert
+parallelism is folded into ``dp·cp`` (``ep`` consecutive replicas hold one set of
+experts between them), as torchtitan and Megatron-Core fold it. This is the one place
+that order is written down; everything else asks a ``Layout`` or a ``Topology``.
+
+Axes: the coordinates ``pp``, ``dp``, ``cp``, ``tp``; and three derived groups:
+``dp_cp`` (every replica of the dense weights: what DDP and ZeRO reduce over when
+cp > 1), ``ep`` (the ranks that split one MoE layer's experts) and ``edp`` (the ranks
+that hold the same experts: what the experts' gradients are reduced over).
 
 A ``Topology`` is a layout bound to one rank of a live ``torch.distributed`` world:
 it creates one process group per axis slice, in the same order on every rank (creating
@@ -29,65 +40,100 @@ from dataclasses import dataclass, field
 
 from dtlab.checks import divisors, positive_int
 
-AXES = ("pp", "dp", "tp")  # slowest -> fastest varying
+AXES = ("pp", "dp", "cp", "tp")  # the coordinates, slowest -> fastest varying
+DERIVED = ("dp_cp", "ep", "edp")  # groups made of the coordinates' ranks
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The degree of each kind of parallelism. ``world_size = dp * tp * pp``."""
+    """The degree of each kind of parallelism. ``world_size = dp * cp * tp * pp``;
+    ``ep`` divides ``dp * cp``."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in (*AXES, "ep"):
             positive_int(axis, getattr(self, axis))
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide dp*cp={self.dp * self.cp}: expert "
+                "parallelism places the experts on the data-parallel ranks; pick ep "
+                f"from {divisors(self.dp * self.cp)}"
+            )
 
     # ---- sizes ------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def size(self, axis: str) -> int:
         _check_axis(axis)
+        if axis == "dp_cp":
+            return self.dp * self.cp
+        if axis == "edp":
+            return self.dp * self.cp // self.ep
         return getattr(self, axis)
 
     # ---- rank <-> coordinates ---------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:
-        """``{'pp': i, 'dp': j, 'tp': k}`` of a global rank."""
+        """``{'pp': i, 'dp': j, 'cp': c, 'tp': k}`` of a global rank."""
         self._check_rank(rank)
         tp_index = rank % self.tp
-        dp_index = (rank // self.tp) % self.dp
-        pp_index = rank // (self.tp * self.dp)
-        return {"pp": pp_index, "dp": dp_index, "tp": tp_index}
+        cp_index = (rank // self.tp) % self.cp
+        dp_index = (rank // (self.tp * self.cp)) % self.dp
+        pp_index = rank // (self.tp * self.cp * self.dp)
+        return {"pp": pp_index, "dp": dp_index, "cp": cp_index, "tp": tp_index}
 
-    def rank(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+    def rank(self, *, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         """The global rank at these coordinates (inverse of :meth:`coords`)."""
-        for axis, value in (("pp", pp), ("dp", dp), ("tp", tp)):
+        for axis, value in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)):
             if not 0 <= value < self.size(axis):
                 raise ValueError(
                     f"{axis} coordinate {value} is outside 0..{self.size(axis) - 1}"
                 )
-        return pp * (self.dp * self.tp) + dp * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``: the rank lists that differ only in that
-        coordinate, in a fixed order (the order groups are created on every rank)."""
+        coordinate (for a derived axis: in their dp·cp position), in a fixed order
+        (the order groups are created on every rank)."""
         _check_axis(axis)
-        others = [a for a in AXES if a != axis]
-        result = []
-        for fixed in itertools.product(*(range(self.size(a)) for a in others)):
-            where = dict(zip(others, fixed))
-            result.append(
-                [self.rank(**where, **{axis: i}) for i in range(self.size(axis))]
-            )
-        return result
+        if axis in AXES:
+            others = [a for a in AXES if a != axis]
+            out = []
+            for fixed in itertools.product(*(range(self.size(a)) for a in others)):
+                where = dict(zip(others, fixed))
+                out.append(
+                    [self.rank(**where, **{axis: i}) for i in range(self.size(axis))]
+                )
+            return out
+        out = []
+        for pp, tp in itertools.product(range(self.pp), range(self.tp)):
+            # the dp·cp replicas of one (pp, tp) slice, in dp-major order
+            replicas = [
+                self.rank(pp=pp, dp=d, cp=c, tp=tp)
+                for d, c in itertools.product(range(self.dp), range(self.cp))
+            ]
+            if axis == "dp_cp":
+                out.append(replicas)
+            elif axis == "ep":  # consecutive blocks share one set of experts
+                out += [
+                    replicas[i : i + self.ep] for i in range(0, len(replicas), self.ep)
+                ]
+            else:  # edp: the same place in every block holds the same experts
+                out += [replicas[j :: self.ep] for j in range(self.ep)]
+        return out
 
     def group_of(self, axis: str, rank: int) -> list[int]:
-        """The ranks that share every coordinate with ``rank`` except ``axis``."""
-        c = self.coords(rank)
-        return [self.rank(**{**c, axis: i}) for i in range(self.size(axis))]
+        """The ranks of ``rank``'s group along ``axis``."""
+        for ranks in self.groups(axis):
+            if rank in ranks:
+                return ranks
+        raise ValueError(f"rank {rank} is in no {axis} group")
 
     # ---- validation against a world and a model ---------------------------------
     def validate(
@@ -111,10 +157,11 @@ class Layout:
         if world_size is not None:
             positive_int("world_size", world_size)
             if self.world_size != world_size:
+                cp = f" x cp={self.cp}" if self.cp > 1 else ""
                 raise ValueError(
-                    f"layout dp={self.dp} x tp={self.tp} x pp={self.pp} = "
+                    f"layout dp={self.dp} x tp={self.tp} x pp={self.pp}{cp} = "
                     f"{self.world_size} ranks, but the world has {world_size}: "
-                    "make the product of dp, tp and pp equal the world size"
+                    "make the product of dp, tp, pp (and cp) equal the world size"
                 )
         if n_heads is not None and n_heads % self.tp:
             raise ValueError(
@@ -145,12 +192,15 @@ class Layout:
             raise ValueError(f"rank {rank!r} is outside 0..{self.world_size - 1}")
 
     def __str__(self) -> str:
-        return f"dp{self.dp}·tp{self.tp}·pp{self.pp}"
+        beyond = "".join(
+            f"·{a}{getattr(self, a)}" for a in ("cp", "ep") if getattr(self, a) > 1
+        )
+        return f"dp{self.dp}·tp{self.tp}·pp{self.pp}{beyond}"
 
 
 def _check_axis(axis: str) -> None:
-    if axis not in AXES:
-        raise ValueError(f"unknown axis {axis!r}: expected one of {AXES}")
+    if axis not in AXES and axis not in DERIVED:
+        raise ValueError(f"unknown axis {axis!r}: expected one of {AXES + DERIVED}")
 
 
 def layouts_for(world_size: int, **model) -> list[Layout]:
@@ -231,14 +281,18 @@ class Topology:
         self.coords = layout.coords(rank)
         self._axes: dict[str, Axis] = {}
         self.released = False
-        for axis in AXES:
+        made: dict[tuple[int, ...], object] = {}  # one group per set of ranks
+        for axis in AXES + DERIVED:
             mine = None
             for ranks in layout.groups(axis):
-                # new_group is collective over the whole world: every rank creates
-                # every group, in the same order, even the ones it is not in.
-                group = dist.new_group(ranks, backend=backend) if live else None
+                key = tuple(ranks)
+                if key not in made:
+                    # new_group is collective over the whole world: every rank
+                    # creates every group, in the same order, even the ones it is
+                    # not in (an axis whose groups another axis has reuses them)
+                    made[key] = dist.new_group(ranks, backend=backend) if live else None
                 if rank in ranks:
-                    mine = Axis(axis, tuple(ranks), ranks.index(rank), group)
+                    mine = Axis(axis, key, ranks.index(rank), made[key])
             self._axes[axis] = mine
         if live:
             _LIVE.add(self)
@@ -264,7 +318,5 @@ class Topology:
 
     def __repr__(self) -> str:
         c = self.coords
-        return (
-            f"Topology({self.layout}, rank={self.rank}: "
-            f"pp={c['pp']} dp={c['dp']} tp={c['tp']})"
-        )
+        where = " ".join(f"{a}={c[a]}" for a in AXES)
+        return f"Topology({self.layout}, rank={self.rank}: {where})"

@@ -160,7 +160,12 @@ def test_predictions_are_the_estimates_for_each_stage():
     for rank in range(4):
         stage = Layout(dp=2, pp=2).coords(rank)["pp"]
         assert by_rank[rank] == estimate.layout_memory(
-            MODEL, Layout(dp=2, pp=2), stage=stage, micro_batch_size=2, microbatches=2
+            MODEL,
+            Layout(dp=2, pp=2),
+            stage=stage,
+            micro_batch_size=2,
+            microbatches=2,
+            activations="dtlab",  # what the run's saved-tensor count measures
         )
     traffic = dash.predicted_traffic(config, 4)
     assert set(traffic) >= {"dp", "tp", "pp"}

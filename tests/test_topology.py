@@ -23,8 +23,33 @@ def test_rank_order_is_tp_fastest_then_dp_then_pp():
     expected = [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
                 (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]  # fmt: skip
     for rank, (pp, dp, tp) in enumerate(expected):
-        assert layout.coords(rank) == {"pp": pp, "dp": dp, "tp": tp}
+        assert layout.coords(rank) == {"pp": pp, "dp": dp, "cp": 0, "tp": tp}
         assert layout.rank(pp=pp, dp=dp, tp=tp) == rank
+
+
+def test_context_parallel_ranks_sit_between_tp_and_dp():
+    layout = Layout(dp=2, tp=2, cp=2)
+    assert layout.world_size == 8
+    # (dp, cp, tp) for ranks 0..7: tp fastest, then cp, then dp
+    expected = [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
+                (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]  # fmt: skip
+    for rank, (dp, cp, tp) in enumerate(expected):
+        assert layout.coords(rank) == {"pp": 0, "dp": dp, "cp": cp, "tp": tp}
+    assert layout.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # the dense weights' replicas: every dp and cp index of one tp slice
+    assert layout.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_expert_parallel_groups_are_carved_out_of_the_replicas():
+    layout = Layout(dp=4, ep=2)
+    assert layout.world_size == 4  # ep adds no ranks
+    assert layout.groups("ep") == [[0, 1], [2, 3]]  # each splits the experts
+    assert layout.groups("edp") == [[0, 2], [1, 3]]  # each holds the same experts
+    assert Layout(dp=2, tp=2, ep=2).groups("ep") == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="ep=3 does not divide dp\\*cp=4"):
+        Layout(dp=4, ep=3)
+    assert str(Layout(dp=2, cp=2, ep=2)) == "dp2·tp1·pp1·cp2·ep2"
 
 
 def test_groups_per_axis():
@@ -54,7 +79,7 @@ def test_validation_names_the_factor():
     with pytest.raises(ValueError, match="outside"):
         Layout(dp=2).coords(2)
     with pytest.raises(ValueError, match="unknown axis"):
-        Layout().size("ep")
+        Layout().size("sp")
 
 
 def test_layouts_for_lists_only_valid_factorisations():
@@ -73,8 +98,8 @@ def test_topology_without_a_world_does_rank_math():
     topo = Topology(Layout(), 0)
     assert topo.axis("dp").size == 1 and topo.group("dp") is None
     a, b = Topology(Layout(dp=2, tp=2), 3), Topology(Layout(tp=4), 3)
-    assert a.coords == {"pp": 0, "dp": 1, "tp": 1}  # no global state: both coexist
-    assert b.coords == {"pp": 0, "dp": 0, "tp": 3}
+    assert a.coords == {"pp": 0, "dp": 1, "cp": 0, "tp": 1}  # both coexist
+    assert b.coords == {"pp": 0, "dp": 0, "cp": 0, "tp": 3}
 
 
 def _groups_on_world():

@@ -12,7 +12,6 @@ Taught in chapter 09 (planning at scale); chapters 07 and 08 use
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from dtlab.checks import one_of, positive_int
 from dtlab.estimate.activations import (
@@ -28,6 +27,7 @@ from dtlab.estimate.states import zero_memory_per_device
 from dtlab.estimate.tensor_parallel import tp_bytes_per_layer
 from dtlab.estimate.zero import zero_comm_per_step, zero_states_per_rank
 from dtlab.events import schedule_name, state_precision
+from dtlab.topology import Layout
 
 # ---- layouts: memory and traffic of a dp x tp x pp (x cp x ep) job (chapter 09) ------
 # The planner's building blocks. Every number below is one of the formulas above,
@@ -35,51 +35,9 @@ from dtlab.events import schedule_name, state_precision
 # pipeline_in_flight's count, Korthikanti's activations, ZeRO's states and traffic.
 
 
-@dataclass(frozen=True)
-class Parallelism:
-    """A layout with the two axes the planner adds to ``Layout(dp, tp, pp)``:
-
-    - ``cp``, context parallelism (Liu et al. 2023, ring attention; Megatron-LM's
-      context parallel): the *sequence* of every micro-batch is split over cp ranks.
-      Weights are replicated over cp as over dp (their gradients are reduced over
-      ``dp·cp`` ranks); activations are divided by cp; each attention layer passes
-      the K/V blocks around a ring.
-    - ``ep``, expert parallelism (Lepikhin et al. 2020, GShard; Fedus et al. 2021):
-      a mixture-of-experts layer's experts are placed on ep ranks carved out of the
-      data-parallel ones (``ep`` divides ``dp·cp``); tokens travel to their experts
-      and back by two all-to-alls per MoE layer forward, two backward.
-
-    ``world_size = dp·tp·pp·cp`` (ep re-uses dp ranks, it adds none). Any object
-    with ``dp``, ``tp``, ``pp`` attributes (a :class:`dtlab.topology.Layout`) is
-    accepted wherever a Parallelism is, with ``cp = ep = 1``.
-    """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-
-    def __post_init__(self) -> None:
-        for axis in ("dp", "tp", "pp", "cp", "ep"):
-            value = getattr(self, axis)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{axis} must be a positive integer, got {value!r}")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(
-                f"ep={self.ep} must divide dp*cp={self.dp * self.cp}: experts are "
-                "placed on data-parallel ranks"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def __str__(self) -> str:
-        extra = "".join(
-            f" {a}{getattr(self, a)}" for a in ("cp", "ep") if getattr(self, a) > 1
-        )
-        return f"dp{self.dp} tp{self.tp} pp{self.pp}{extra}"
+# ``Parallelism`` was this module's own dp x tp x pp x cp x ep layout; it is now
+# dtlab.topology's Layout, the one definition (rank order, validation, groups).
+Parallelism = Layout
 
 
 def as_parallelism(layout) -> Parallelism:
