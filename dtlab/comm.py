@@ -403,7 +403,7 @@ def all_to_all_single(
 
 def all_to_all(output_list, input_list, group=None, *, async_op=False, tag=None):
     """``input_list[j]`` of rank i lands in ``output_list[i]`` of rank j: the list
-    form of :func:`all_to_all_single`, pieces of any shape (one dtype)."""
+    form of :func:`all_to_all_single` (gloo wants every piece the same size)."""
     pg, axis = _resolve(group)
     n, me = dist.get_world_size(pg), dist.get_rank(pg)
     if len(input_list) != n or len(output_list) != n:

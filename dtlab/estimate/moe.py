@@ -5,9 +5,11 @@ Taught in chapter 11 (mixture of experts), checked against dtlab.moe's measured
 bytes and routing. Per MoE layer and micro-batch a rank of the ep group with
 ``tokens`` tokens and top-k routing has ``k·tokens`` assignments, of which the
 capacity keeps some (GShard §2.2). The kept rows go to their expert's rank
-(dispatch), come back (combine), and backward both go again the other way: four
-all-to-alls of the rows that leave the rank, ``h`` values each. Before them the ranks
-all-gather their ``(E,)`` row counts (int64), so every rank knows the whole matrix.
+(dispatch) and their outputs come back (combine), ``h`` values a row; backward runs
+the transposes, so a rank sends the rows it dispatched twice (dispatch forward, the
+combine's gradient) and the rows its experts received twice (combine forward, the
+dispatch's gradient). Before them the ranks all-gather their ``(E,)`` row counts
+(int64), so every rank knows the whole matrix.
 
 Under uniform routing a rank keeps ``1/ep`` of its rows and sends the rest:
 ``4 · (ep-1)/ep · k·tokens·h`` values per layer (:func:`ep_bytes_per_layer`, the
@@ -50,9 +52,10 @@ def ep_bytes_per_layer(
 ) -> dict[str, float]:
     """Wire bytes one ep rank sends for one MoE layer and micro-batch of
     ``tokens`` tokens, *under uniform routing* (each expert gets the same rows):
-    ``{"dispatch", "combine"}`` (each of the two, forward; backward repeats them),
-    ``"counts"`` (the all-gather of row counts, forward only), ``"wire_bytes"``
-    (the sum of all). ``kept_fraction``: the assignments the capacity keeps."""
+    ``{"dispatch", "combine"}`` (each of the two forward; backward sends as much
+    again, transposed), ``"counts"`` (the all-gather of row counts, forward only),
+    ``"wire_bytes"`` (all of it). ``kept_fraction``: the assignments the capacity
+    keeps."""
     for name, value in (("tokens", tokens), ("d_model", d_model), ("ep", ep)):
         positive_int(name, value)
     if not 0.0 <= kept_fraction <= 1.0:
@@ -74,22 +77,26 @@ def ep_traffic_from_counts(
     """The exact wire bytes of rank ``rank`` for one MoE layer, forward and
     backward, from the routing: ``counts[s][e]`` = rows rank s sends to expert e
     (the ``(ep, E)`` matrix of kept assignments; experts split evenly, rank j
-    owning ``j·E/ep ..``). Same keys as :func:`ep_bytes_per_layer`."""
+    owning ``j·E/ep ..``). Same keys as :func:`ep_bytes_per_layer`: ``dispatch``,
+    the rows it sends to other ranks' experts (forward; the combine's gradient
+    again backward); ``combine``, the rows other ranks sent its experts, returned
+    (forward; the dispatch's gradient again backward)."""
     ep, E = len(counts), len(counts[0])
     if E % ep:
         raise ValueError(f"{E} experts do not split over ep={ep} ranks")
     if not 0 <= rank < ep:
         raise ValueError(f"rank {rank} is outside 0..{ep - 1}")
-    per = E // ep
-    row = counts[rank]
-    out_rows = sum(row) - sum(row[rank * per : (rank + 1) * per])  # leave the rank
-    one = out_rows * d_model * bytes_per_value
+    mine = range(rank * (E // ep), (rank + 1) * (E // ep))  # its experts
+    sent = sum(n for e, n in enumerate(counts[rank]) if e not in mine)
+    received = sum(counts[s][e] for s in range(ep) if s != rank for e in mine)
+    row_bytes = d_model * bytes_per_value
     counts_bytes = _counts_bytes(E, ep) if ep > 1 else 0.0
+    dispatch, combine = float(sent * row_bytes), float(received * row_bytes)
     return {
-        "dispatch": float(one),
-        "combine": float(one),
+        "dispatch": dispatch,
+        "combine": combine,
         "counts": counts_bytes,
-        "wire_bytes": 4.0 * one + counts_bytes,
+        "wire_bytes": 2 * (dispatch + combine) + counts_bytes,
     }
 
 
