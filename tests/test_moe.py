@@ -41,7 +41,7 @@ from dtlab.moe import (
     moe_aux_loss,
     top_k_routing,
 )
-from dtlab.topology import Layout, Topology
+from dtlab.topology import Axis, Layout, Topology
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # see the module docstring
 MOE = GPTConfig(seq_len=16, d_model=32, n_heads=4, n_experts=4, capacity_factor=1.0)
@@ -193,6 +193,20 @@ def test_each_forward_records_its_routing():
     assert event["capacity"] == expert_capacity(16, 4, 1, 1.0) == 4
     assert sum(event["tokens_per_expert"]) == 16 - event["dropped"]
     assert event["dropped"] == estimate.dropped_assignments(event["routed"], 4)
+
+
+def test_expert_parallel_keeps_its_experts_by_name_and_refuses_bad_input():
+    second_of_two = Axis("ep", (0, 1), 1)  # no process group is needed to shard
+    moe = expert_parallel(MoE(MOE), second_of_two)
+    assert sorted(moe.experts) == ["2", "3"]  # experts E/ep .. of rank 1
+    assert all(p.expert_parallel for p in moe.experts.parameters())
+    assert not hasattr(moe.router.weight, "expert_parallel")  # replicated
+    with pytest.raises(ValueError, match="n_experts=4 is not a multiple of 3"):
+        expert_parallel(MoE(MOE), Axis("ep", (0, 1, 2), 0))
+    with pytest.raises(ValueError, match="needs a dtlab.moe.MoE"):
+        expert_parallel(MLP(MOE), second_of_two)
+    with pytest.raises(ValueError, match="no MoE layers"):
+        expert_parallel_gpt(GPT(GPTConfig()), second_of_two)
 
 
 def test_ep_estimates_by_hand_and_the_planner_agrees():

@@ -14,9 +14,9 @@ attention, the one place a token meets others, reaches across ranks:
   2·cp-1-i) gives every rank the same causal work. Sends ``3·(cp-1)`` K/V-sized
   blocks per layer, whatever the number of heads.
 - **Ulysses**: two all-to-alls turn a sequence shard into a head shard and back;
-  attention itself runs unchanged on ``nh/cp`` heads. Sends ``4·(cp-1)/cp`` of a
-  rank's q, k, v and output per layer: less than the ring for large cp, but cp must
-  divide ``n_heads``.
+  attention itself runs unchanged on ``nh/cp`` heads. Each rank sends ``(cp-1)/cp``
+  of its q, k, v and attention output forward, and as much backward: a volume that
+  shrinks with cp where the ring's does not, but cp must divide ``n_heads``.
 
 Where each piece lives:
 
