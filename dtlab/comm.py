@@ -11,7 +11,8 @@ active (:func:`dtlab.telemetry.current`), records::
 and reduce-scatter: the *full*, unsharded tensor). ``wire_bytes`` is what this rank
 sends under the ring algorithm (:func:`dtlab.estimate.wire_bytes`): all-reduce
 ``2(N-1)/N·S``, reduce-scatter and all-gather ``(N-1)/N·S``, broadcast and send ``S``,
-receive 0. Dividing wire bytes by time gives the *bus bandwidth* the way nccl-tests
+receive 0; all-to-all: every piece but the one a rank keeps, ``(N-1)/N·S`` for
+equal pieces. Dividing wire bytes by time gives the *bus bandwidth* the way nccl-tests
 reports it, a number that does not depend on N and can be compared with the link.
 
 ``group`` may be an :class:`dtlab.topology.Axis` (its name is recorded as the axis),
@@ -202,10 +203,13 @@ class _Waiting:
         return getattr(self._work, name)
 
 
-def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run, peer=None):
+def _call(
+    op, tensor_for_bytes, n, group_axis, async_op, tag, run, peer=None, extra=None
+):
     """Run ``run()`` (the torch call) and record one comm event around it;
     ``tensor_for_bytes`` is the tensor whose size is the op's payload. A
-    point-to-point event also carries ``peer``, the other side's global rank."""
+    point-to-point event also carries ``peer``, the other side's global rank;
+    ``extra``, fields of one op's own (an all-to-all's row and exact wire bytes)."""
     rec = telemetry.current()
     entry = _entry(op, tensor_for_bytes, group_axis, tag)
     t_start = rec.now() if rec.enabled else 0.0
@@ -216,6 +220,9 @@ def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run, peer=None):
         return _Waiting(work, entry) if async_op else work
     numel = tensor_for_bytes.numel()
     nbytes = numel * tensor_for_bytes.element_size()
+    fields = {"wire_bytes": _wire_bytes(op, nbytes, n), **(extra or {})}
+    if peer is not None:
+        fields["peer"] = peer
 
     def finish():
         rec.emit(
@@ -225,11 +232,10 @@ def _call(op, tensor_for_bytes, n, group_axis, async_op, tag, run, peer=None):
             dtype=str(tensor_for_bytes.dtype).replace("torch.", ""),
             numel=numel,
             payload_bytes=nbytes,
-            wire_bytes=_wire_bytes(op, nbytes, n),
             t_start=t_start,
             t_end=rec.now(),
             tag=tag,
-            **({} if peer is None else {"peer": peer}),
+            **fields,
         )
 
     if async_op:
@@ -350,6 +356,64 @@ def barrier(group=None, *, tag=None):
             t_end=rec.now(),
             tag=tag,
         )
+
+
+# ---- all-to-all -------------------------------------------------------------------
+def _a2a_fields(send_bytes, me):
+    """An all-to-all's row of the all-to-all matrix (bytes to each group rank, itself
+    included) and its wire bytes: all but the piece it keeps (equal: (N-1)/N·S)."""
+    wire = float(sum(send_bytes) - send_bytes[me])
+    return {"send_bytes": send_bytes, "wire_bytes": wire}
+
+
+def all_to_all_single(
+    output,
+    input,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group=None,
+    *,
+    async_op=False,
+    tag=None,
+):
+    """Rank i cuts ``input`` along dim 0 into N pieces (equal, or
+    ``input_split_sizes[j]`` rows for rank j) and sends piece j to rank j; piece i of
+    rank j's ``output`` is what rank i sent it. The transpose of a matrix of pieces:
+    Ulysses' sequence-to-heads exchange and expert parallelism's dispatch (chapter
+    11). The event's ``send_bytes`` is this rank's row of the all-to-all matrix."""
+    pg, axis = _resolve(group)
+    n, me = dist.get_world_size(pg), dist.get_rank(pg)
+    rows = input.shape[0] if input.dim() else 0
+    splits = input_split_sizes or ([rows // n] * n if rows % n == 0 else None)
+    if splits is None or len(splits) != n or sum(splits) != rows:
+        how = "equally" if input_split_sizes is None else f"as {input_split_sizes}"
+        raise ValueError(
+            f"all_to_all_single: cannot cut {rows} input rows into {n} pieces {how}:"
+            f" give {n} input_split_sizes that add up to {rows}"
+        )
+    row_bytes = input[0].numel() * input.element_size() if rows else 0
+    sizes = (output_split_sizes, input_split_sizes)
+
+    def run():
+        return dist.all_to_all_single(output, input, *sizes, pg, async_op)
+
+    fields = _a2a_fields([int(r) * row_bytes for r in splits], me)
+    return _call("all_to_all", input, n, axis, async_op, tag, run, extra=fields)
+
+
+def all_to_all(output_list, input_list, group=None, *, async_op=False, tag=None):
+    """``input_list[j]`` of rank i lands in ``output_list[i]`` of rank j: the list
+    form of :func:`all_to_all_single` (gloo wants every piece the same size)."""
+    pg, axis = _resolve(group)
+    n, me = dist.get_world_size(pg), dist.get_rank(pg)
+    if len(input_list) != n or len(output_list) != n:
+        raise ValueError(f"all_to_all: give one input and one output per rank ({n})")
+    # a stand-in for the whole payload: the event's numel, dtype and bytes
+    numel = sum(t.numel() for t in input_list)
+    payload = torch.empty(numel, dtype=input_list[0].dtype, device="meta")
+    fields = _a2a_fields([t.numel() * t.element_size() for t in input_list], me)
+    run = lambda: dist.all_to_all(output_list, input_list, pg, async_op)  # noqa: E731
+    return _call("all_to_all", payload, n, axis, async_op, tag, run, extra=fields)
 
 
 # ---- point to point ---------------------------------------------------------------

@@ -24,6 +24,7 @@ __all__ = [
     "SpanEvent",
     "MemoryEvent",
     "StepEvent",
+    "MoEEvent",
     "STRATEGIES",
     "zero_stage",
     "PRECISIONS",
@@ -128,6 +129,7 @@ class Kind(_Name):
     DDP_BUCKET = "ddp_bucket"  # one DDP bucket's launch and completion
     AMP = "amp"  # the loss scale after a step, and whether it was skipped
     CONTROL = "control"  # the lab's Run/Stop handshake
+    MOE = "moe"  # one MoE layer's routing: tokens per expert, drops (dtlab.moe)
 
 
 class Span(_Name):
@@ -157,7 +159,7 @@ class CommEvent(TypedDict):
     kind: str  # Kind.COMM
     rank: int
     step: int
-    op: str  # all_reduce, reduce_scatter, all_gather, broadcast, send, recv, ...
+    op: str  # all_reduce, reduce_scatter, all_gather, all_to_all, send, recv, ...
     axis: str | None  # dp, tp, pp, ... or None for the world
     dtype: str
     numel: int
@@ -166,6 +168,7 @@ class CommEvent(TypedDict):
     t_start: float
     t_end: float
     tag: str | None
+    # an all_to_all also carries ``send_bytes``: its row of the all-to-all matrix
 
 
 class SpanEvent(TypedDict, total=False):
@@ -206,3 +209,15 @@ class StepEvent(TypedDict, total=False):
     time_s: float
     tokens_per_s: float
     coords: dict
+
+
+class MoEEvent(TypedDict, total=False):
+    kind: str  # Kind.MOE
+    rank: int
+    step: int
+    layer: str  # the MoE module's name (blocks.0.mlp)
+    routed: list[int]  # this rank's token assignments per expert, before capacity
+    tokens_per_expert: list[int]  # ... those kept (at most ``capacity`` each)
+    dropped: int  # assignments over capacity: the token skips that expert
+    capacity: int
+    send_bytes: list[int]  # expert parallelism: bytes dispatched to each ep rank

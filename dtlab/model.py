@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlab.checks import integer, positive_int
-from dtlab.estimate import model_params
+from dtlab.estimate import model_spec
+from dtlab.moe import MoE, check_moe_config, moe_aux_loss
 
 __all__ = [
     "GPTConfig",
@@ -60,6 +61,11 @@ class GPTConfig:
     ``bias`` adds biases to every Linear except the head (GPT-2 has them, LLaMA does
     not); the tensor-parallel chapter uses them to show why a row-parallel layer adds
     its bias once, after the all-reduce.
+
+    ``n_experts > 1`` makes every MLP a mixture of experts (:class:`dtlab.moe.MoE`,
+    chapter 11): ``top_k`` (1 or 2) experts per token, ``capacity_factor`` (None:
+    drop nothing), and the load-balancing loss times ``aux_loss_coef`` added to the
+    loss. The default, one expert, is the plain MLP.
     """
 
     vocab_size: int = 64
@@ -71,6 +77,10 @@ class GPTConfig:
     dropout: float = 0.0
     tied_head: bool = True
     bias: bool = True
+    n_experts: int = 1
+    top_k: int = 1
+    capacity_factor: float | None = 1.25
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model"):
@@ -87,6 +97,9 @@ class GPTConfig:
             positive_int("d_ff", self.d_ff)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_moe_config(
+            self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_coef
+        )
 
     @property
     def head_dim(self) -> int:
@@ -95,19 +108,11 @@ class GPTConfig:
     def n_params(self) -> int:
         """The exact number of parameters of ``GPT(self)`` (tied weights counted once).
 
-        Same count as :func:`dtlab.estimate.model_params` with this config's options;
-        roughly ``12 * n_layers * d_model**2 + vocab_size * d_model``.
+        Same count as :func:`dtlab.estimate.model_params` with this config's options
+        (:func:`dtlab.estimate.model_spec`; experts and router included); roughly
+        ``12 * n_layers * d_model**2 + vocab_size * d_model``.
         """
-        return model_params(
-            self.n_layers,
-            self.d_model,
-            self.vocab_size,
-            seq_len=self.seq_len,
-            d_ff=self.d_ff,
-            bias=self.bias,
-            layernorm=True,
-            tied_embeddings=self.tied_head,
-        )
+        return model_spec(self).n_params
 
 
 # ---- deterministic init --------------------------------------------------------------
@@ -139,7 +144,9 @@ def init_gpt_weights(model: nn.Module, seed: int, n_layers: int) -> None:
             module.weight.fill_(1.0)
             module.bias.zero_()
         elif isinstance(module, (nn.Linear, nn.Embedding)):
-            is_residual = mod_name.endswith(("attn.proj", "mlp.proj"))
+            is_residual = mod_name.endswith(("attn.proj", "mlp.proj")) or (
+                ".experts." in mod_name and mod_name.endswith(".proj")  # MoE's MLPs
+            )
             std = residual_std if is_residual else INIT_STD
             gen = param_generator(seed, prefix + "weight")
             module.weight.normal_(0.0, std, generator=gen)
@@ -237,7 +244,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_experts > 1 else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
@@ -290,6 +297,8 @@ class GPT(nn.Module):
             return logits, None
         V = logits.shape[-1]
         loss = F.cross_entropy(logits.view(-1, V), targets.reshape(-1))
+        if self.config.n_experts > 1:  # the MoE layers' load-balancing losses
+            loss = loss + moe_aux_loss(self)
         return logits, loss
 
     def forward(

@@ -28,7 +28,9 @@ it: ``states`` (bytes per parameter, ZeRO's stages, ``GB``), ``activations``
 (GPUs, memory per device), ``collectives`` (bytes on the wire, the α-β model;
 chapter 01), ``training_time`` (6·N·D), ``data_parallel`` (DDP; chapter 02),
 ``pipeline`` (bubble, schedules; chapter 05), ``tensor_parallel`` (Megatron;
-chapter 04), ``zero`` (what dtlab.zero holds and sends; chapter 03), ``layouts``
+chapter 04), ``zero`` (what dtlab.zero holds and sends; chapter 03),
+``context_parallel`` (ring attention and Ulysses; chapter 11), ``moe`` (expert
+parallelism's all-to-alls, drops, imbalance; chapter 11), ``layouts``
 (memory and traffic of a dp x tp x pp x cp x ep layout; chapter 09),
 ``techniques`` (recomputation, offload; chapter 08), ``serving`` (weights, KV
 cache; chapter 09) and ``planner`` (step time, :func:`plan`; chapter 09). Every
@@ -56,6 +58,12 @@ from dtlab.estimate.collectives import (
     latency_steps,
     wire_bytes,
 )
+from dtlab.estimate.context_parallel import (
+    CP_VARIANTS,
+    cp_activation_bytes_per_layer,
+    cp_bytes_per_layer,
+    cp_bytes_per_step,
+)
 from dtlab.estimate.data_parallel import (
     ddp_bucket_assignment,
     ddp_bytes_per_step,
@@ -79,6 +87,13 @@ from dtlab.estimate.models import (
     ModelPreset,
     model_params,
     model_spec,
+)
+from dtlab.estimate.moe import (
+    COUNT_BYTES,
+    dropped_assignments,
+    ep_bytes_per_layer,
+    ep_imbalance,
+    ep_traffic_from_counts,
 )
 from dtlab.estimate.pipeline import (
     PIPELINE_SCHEDULES,
@@ -185,4 +200,13 @@ __all__ = [
     "Plan",
     "layout_step_time",
     "plan",
+    "CP_VARIANTS",
+    "cp_bytes_per_layer",
+    "cp_bytes_per_step",
+    "cp_activation_bytes_per_layer",
+    "COUNT_BYTES",
+    "ep_bytes_per_layer",
+    "ep_traffic_from_counts",
+    "ep_imbalance",
+    "dropped_assignments",
 ]

@@ -199,6 +199,8 @@ def model_spec(model) -> ModelPreset:
             tied_embeddings=model.tied_head,
             bias=model.bias,
             layernorm=True,
+            n_experts=getattr(model, "n_experts", 1),
+            top_k=getattr(model, "top_k", 1),
         )
     raise ValueError(
         f"model must be a preset name, a ModelPreset, a GPTConfig or a dict, "
