@@ -11,7 +11,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 from dtlab.lab import RankError  # noqa: E402
-from dtlab.lab.dashboard import Dashboard  # noqa: E402
+from dtlab.lab.figures.dashboard import Dashboard  # noqa: E402
 from dtlab.lab.training import start_run  # noqa: E402
 from dtlab.lab.widgets import ControlPanel, factorisations, layout_choices  # noqa: E402
 from dtlab.model import GPTConfig  # noqa: E402
@@ -84,7 +84,7 @@ def test_a_config_that_cannot_run_disables_run_and_says_why():
     assert "ValueError" in text and "does not split" in text
     panel.world.value = 4
     panel.base = BASE
-    panel._refresh_check()
+    panel.refresh()
     assert not panel.run_button.disabled and "✓" in panel.check_message.value
 
 

@@ -10,10 +10,11 @@ Taught in chapter 02; every later chapter trains through it.
     run.records[2][-1]            # rank 2's last record
     run.events                    # every telemetry event of the run, all ranks
 
-``dtlab.train.train`` runs on every engine through ``cluster.run``; each rank
-emits a telemetry event of kind ``"step"`` per step, which reaches the notebook
-while the run goes on (ipyparallel's data publication) and is handed to the live
-figure and to ``on_records``.
+:class:`dtlab.train.Trainer` runs on every engine through ``cluster.run``
+(:func:`dtlab.lab.engine.training.train_rank`); each rank emits a telemetry event
+of kind ``"step"`` per step, which reaches the notebook while the run goes on
+(ipyparallel's data publication) and is handed to the live figure and to
+``on_records``.
 
 Chapter 07's control panel needs a run that does not block the kernel and can be
 stopped: :func:`start_run` trains in a background thread and returns a
@@ -74,11 +75,10 @@ def train(
     config.check(cluster.world_size)  # fail here, before any engine starts
     figure = None
     if live:
-        from dtlab.lab import plots
+        from dtlab.lab.figures.data_parallel import loss_figure
+        from dtlab.lab.figures.live import LiveFigure
 
-        figure = plots.LiveFigure(
-            plots.loss_figure, min_interval=0.2, reference=reference
-        )
+        figure = LiveFigure(loss_figure, min_interval=0.2, reference=reference)
         _display(figure.widget)
 
     def on_events(batch):
