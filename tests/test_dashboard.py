@@ -36,8 +36,15 @@ BASE = TrainConfig(model=MODEL, steps=4, global_batch_size=8)
 
 
 def _comm(rank, op, axis, wire, step=0, tag=None):
-    return {"kind": "comm", "rank": rank, "op": op, "axis": axis,
-            "wire_bytes": wire, "step": step, "tag": tag}  # fmt: skip
+    return {
+        "kind": "comm",
+        "rank": rank,
+        "op": op,
+        "axis": axis,
+        "wire_bytes": wire,
+        "step": step,
+        "tag": tag,
+    }
 
 
 def test_peers_follow_the_ring_of_each_group_and_the_pipeline():

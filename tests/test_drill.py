@@ -19,15 +19,32 @@ def test_every_source_question_has_a_card():
     assert len(keys) == len(CARDS)  # one card per key
     assert set(SOURCE_QUESTIONS.values()) <= keys
     # the themes the chapter promises (the brief's list), each a card
-    for key in ("dp_vs_mp", "fsdp_shards", "tp_in_node", "pipeline_bubble",
-                "zero3_vs_fsdp", "zero_stages", "dp_vs_ddp", "one_f_one_b",
-                "amp_loss_scaling", "three_d", "accelerate_vs_deepspeed", "offload",
-                "comm_dominates", "training_vs_serving"):  # fmt: skip
+    for key in (
+        "dp_vs_mp",
+        "fsdp_shards",
+        "tp_in_node",
+        "pipeline_bubble",
+        "zero3_vs_fsdp",
+        "zero_stages",
+        "dp_vs_ddp",
+        "one_f_one_b",
+        "amp_loss_scaling",
+        "three_d",
+        "accelerate_vs_deepspeed",
+        "offload",
+        "comm_dominates",
+        "training_vs_serving",
+    ):
         assert key in keys
     for card in CARDS:
         assert card.question.endswith("?")
-        assert set(card.answer) == {"replicated", "sharded", "synchronized", "cost",
-                                    "summary"}  # fmt: skip
+        assert set(card.answer) == {
+            "replicated",
+            "sharded",
+            "synchronized",
+            "cost",
+            "summary",
+        }
         # five different sentences, not one pasted into every slot
         assert len(set(card.answer.values())) == 5, card.key
         assert all(v.endswith(".") for v in card.answer.values()), card.key

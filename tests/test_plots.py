@@ -99,11 +99,12 @@ def test_traffic_bars_are_the_recorded_wire_bytes(recorded):
     # the default prediction applies estimate.wire_bytes to each recorded call
     for rank, y in enumerate(_predicted(fig)):
         expected = sum(
-            estimate.wire_bytes(e["op"], e["payload_bytes"], 2 if e["op"] in
-                                ("send", "recv") else N)
+            estimate.wire_bytes(
+                e["op"], e["payload_bytes"], 2 if e["op"] in ("send", "recv") else N
+            )
             for e in telemetry.comm_events(recorded)
             if e["rank"] == rank
-        )  # fmt: skip
+        )
         assert y == pytest.approx(expected, rel=1e-12)
 
 
@@ -120,11 +121,20 @@ def test_ring_sends_match_two_n_minus_one_over_n(recorded):
 
 def test_traffic_by_tag_and_bad_predictions():
     events = [
-        {"kind": "comm", "rank": r, "op": "all_reduce", "axis": "dp",
-         "payload_bytes": 400, "wire_bytes": 300.0, "tag": t, "t_start": 0,
-         "t_end": 1}
-        for r in range(2) for t in ("a", "b")
-    ]  # fmt: skip
+        {
+            "kind": "comm",
+            "rank": r,
+            "op": "all_reduce",
+            "axis": "dp",
+            "payload_bytes": 400,
+            "wire_bytes": 300.0,
+            "tag": t,
+            "t_start": 0,
+            "t_end": 1,
+        }
+        for r in range(2)
+        for t in ("a", "b")
+    ]
     fig = traffic_figure(events, key="tag", predicted=[600, 600])
     assert _bars(fig) == {"a": [300.0, 300.0], "b": [300.0, 300.0]}
     with pytest.raises(ValueError, match="group_sizes"):
@@ -224,11 +234,25 @@ def test_align_clocks_removes_a_known_offset():
     for r, skew in enumerate([0.0, 0.5, -0.25]):
         for k in range(3):
             events.append(
-                {"kind": "comm", "rank": r, "op": "all_reduce", "axis": "world",
-                 "t_start": k + skew - 0.1 * r, "t_end": k + 0.2 + skew, "k": k}
-            )  # fmt: skip
-        events.append({"kind": "span", "rank": r, "name": "F", "t_start": 5 + skew,
-                       "t_end": 6 + skew})  # fmt: skip
+                {
+                    "kind": "comm",
+                    "rank": r,
+                    "op": "all_reduce",
+                    "axis": "world",
+                    "t_start": k + skew - 0.1 * r,
+                    "t_end": k + 0.2 + skew,
+                    "k": k,
+                }
+            )
+        events.append(
+            {
+                "kind": "span",
+                "rank": r,
+                "name": "F",
+                "t_start": 5 + skew,
+                "t_end": 6 + skew,
+            }
+        )
     out = align_clocks(events)
     for e in out:
         if e["kind"] == "comm":
@@ -250,11 +274,19 @@ class _Clock:
 
 def _fake_events(start, count):
     return [
-        {"kind": "comm", "rank": 0, "op": "all_reduce", "axis": "world",
-         "payload_bytes": 4, "wire_bytes": 6.0, "t_start": i * 1e-3,
-         "t_end": i * 1e-3 + 5e-4, "tag": None}
+        {
+            "kind": "comm",
+            "rank": 0,
+            "op": "all_reduce",
+            "axis": "world",
+            "payload_bytes": 4,
+            "wire_bytes": 6.0,
+            "t_start": i * 1e-3,
+            "t_end": i * 1e-3 + 5e-4,
+            "tag": None,
+        }
         for i in range(start, start + count)
-    ]  # fmt: skip
+    ]
 
 
 def test_live_figure_throttles_and_keeps_a_bounded_window():
