@@ -142,7 +142,7 @@ def bench_main(argv=None) -> int:
         json.dump(rep, f, indent=1)
     print(f"wrote {path}")
     if a.plot:
-        from dtlab.lab.benchplot import write_png
+        from dtlab.lab.figures.bench import write_png
 
         print(f"wrote {write_png(rep['rows'], a.plot)}")
     failed = [k for k, v in collected["results"].items() if "error" in v]

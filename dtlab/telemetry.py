@@ -18,9 +18,10 @@ Three kinds of event, each a flat dict with a ``kind`` field:
   peak}`` — bytes by category.
 
 Sinks receive every event: :class:`MemorySink` (a list), :class:`JsonlSink` (one file
-per rank, for headless runs), :class:`PublishSink` (ipyparallel's data publication,
-live to the notebook). :func:`chrome_trace` turns events into the Chrome trace format
-that Perfetto (ui.perfetto.dev) and chrome://tracing open.
+per rank, for headless runs), :class:`CallbackSink` (a function); the live lab gives
+its engines' recorders a sink of its own that streams to the notebook
+(``dtlab.lab.engine.publish``). :func:`chrome_trace` turns events into the Chrome
+trace format that Perfetto (ui.perfetto.dev) and chrome://tracing open.
 """
 
 from __future__ import annotations
@@ -191,43 +192,6 @@ class JsonlSink(Sink):
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-class PublishSink(Sink):
-    """Streams events to the notebook through ipyparallel's data publication.
-
-    The client keeps only the *latest* value of each key, so every batch goes out
-    under its own key (``tel00000001``, ...) and the notebook pops the keys it has
-    read (see ``dtlab.lab.cluster``). Batches are sent at most every ``interval``
-    seconds, or when ``max_batch`` events are waiting, or on :meth:`flush`.
-    """
-
-    prefix = "tel"
-
-    def __init__(self, interval: float = 0.1, max_batch: int = 500, publish=None):
-        if publish is None:
-            from ipyparallel.datapub import publish_data  # only on an engine
-
-            publish = publish_data
-        self._publish = publish
-        self.interval = interval
-        self.max_batch = max_batch
-        self._buffer: list[dict] = []
-        self._last = clock()
-        self._seq = 0
-
-    def write(self, event):
-        self._buffer.append(event)
-        if len(self._buffer) >= self.max_batch or clock() - self._last > self.interval:
-            self.flush()
-
-    def flush(self):
-        if not self._buffer:
-            return
-        self._seq += 1
-        batch, self._buffer = self._buffer, []
-        self._publish({f"{self.prefix}{self._seq:08d}": batch})
-        self._last = clock()
 
 
 class CallbackSink(Sink):

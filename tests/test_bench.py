@@ -123,7 +123,7 @@ def test_json_report_round_trips(tmp_path):
 
 def test_bench_figure_draws_every_ratio_and_row():
     pytest.importorskip("plotly")
-    from dtlab.lab.benchplot import bench_figure
+    from dtlab.lab.figures.bench import bench_figure
 
     rows = bench.assemble(SYNTHETIC)
     fig = bench_figure(rows)

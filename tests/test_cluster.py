@@ -9,7 +9,9 @@ import psutil
 import pytest
 import torch
 
+from dtlab import telemetry
 from dtlab.lab import EngineDied, LabCluster, RankError, start
+from dtlab.lab.engine.publish import PublishSink
 
 pytestmark = pytest.mark.cluster
 
@@ -106,6 +108,22 @@ def test_live_telemetry_reaches_the_notebook(lab_cluster):
     # without recording, nothing is collected
     cluster.run(traffic, 1)
     assert len([e for e in cluster.last_events if e.get("tag") == "t"]) == 40
+
+
+def test_publish_sink_batches_under_fresh_keys():
+    # ipyparallel's client keeps only the latest value per key: a batch that
+    # reused a key would overwrite the one before it unread
+    published = []
+    sink = PublishSink(interval=3600, max_batch=3, publish=published.append)
+    rec = telemetry.Recorder(0, [sink])
+    for i in range(7):
+        rec.emit("comm", i=i)
+    rec.flush()
+    keys = [k for batch in published for k in batch]
+    assert keys == sorted(set(keys)), "every batch needs its own key"
+    events = [e for batch in published for v in batch.values() for e in v]
+    assert [e["i"] for e in events] == list(range(7))  # nothing lost, in order
+    assert [len(v) for b in published for v in b.values()] == [3, 3, 1]
 
 
 def _skip_collective_on(missing):

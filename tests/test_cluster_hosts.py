@@ -2,7 +2,7 @@
 
 No second machine is reachable from CI, so two things are tested here instead:
 
-- the placement rules, on what engines report (``LabCluster._place``): each rank's
+- the placement rules, on what engines report (:mod:`dtlab.lab.placement`): each rank's
   GPU is its position among its own host's engines; a host cannot run more nccl
   engines than it has GPUs; a world that spans hosts needs a shared ``store_dir``
   for its rendezvous; ``backend="auto"`` follows the engines' GPUs, not the
@@ -22,7 +22,7 @@ import time
 import psutil
 import pytest
 
-from dtlab.lab import EngineDied, LabCluster
+from dtlab.lab import EngineDied, LabCluster, placement
 
 HERE = os.uname().nodename
 
@@ -38,42 +38,62 @@ def _where(hosts, gpus=0, cpus=2):
 def test_each_rank_gets_a_gpu_of_its_own_host(tmp_path):
     c = LabCluster(4, profile_dir="cluster/ssh", store_dir=tmp_path)
     assert c.backend == "auto"  # the notebook's machine does not decide
-    c._place(_where(["gpu1", "gpu1", "gpu2", "gpu2"], gpus=2))
-    assert c.backend == "nccl"
-    assert c.devices == {0: 0, 1: 1, 2: 0, 3: 1}
-    assert not c.single_host and c._local_pids() == {}
-    store = c._store_file()
+    p = c.place(_where(["gpu1", "gpu1", "gpu2", "gpu2"], gpus=2))
+    assert c.backend == p.backend == "nccl"
+    assert p.devices == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert not p.single_host and p.local_pids() == {} and c.local_pids() == {}
+    store = c.store_file()
     assert store.startswith(str(tmp_path)) and "dtlab-" in store
 
 
-def test_engines_that_each_see_their_own_gpu_take_device_0(tmp_path):
+def test_engines_that_each_see_their_own_gpu_take_device_0():
     # Slurm's --gpus-per-task=1: every task sees one GPU, its own
-    c = LabCluster(4, profile_dir="cluster/slurm", store_dir=tmp_path)
     where = _where(["n1", "n1", "n2", "n2"], gpus=1)
     for r, w in enumerate(where):
         w["visible"] = str(r % 2)
-    c._place(where)
-    assert c.backend == "nccl" and c.devices == {0: 0, 1: 0, 2: 0, 3: 0}
+    p = placement.place(where, "auto", store_dir="/shared")
+    assert p.backend == "nccl" and p.devices == {0: 0, 1: 0, 2: 0, 3: 0}
 
 
-def test_a_host_with_too_few_gpus_is_refused_by_name(tmp_path):
-    c = LabCluster(3, profile_dir="cluster/ssh", backend="nccl", store_dir=tmp_path)
+def test_a_host_with_too_few_gpus_is_refused_by_name():
     with pytest.raises(ValueError, match="host gpu1 runs 3 engines .* share 2 GPUs"):
-        c._place(_where(["gpu1"] * 3, gpus=2))
+        placement.place(_where(["gpu1"] * 3, gpus=2), "nccl", store_dir="/shared")
 
 
-def test_engines_without_gpus_run_gloo_and_need_a_shared_store():
-    c = LabCluster(2, profile_dir="cluster/ssh")
+def test_engines_without_gpus_run_gloo_and_need_a_shared_store(tmp_path):
     with pytest.raises(ValueError, match="store_dir=.*DTLAB_STORE_DIR"):
-        c._place(_where(["node-a", "node-b"]))
-    assert c.backend == "gloo"  # auto: the engines have no GPU
+        placement.place(_where(["node-a", "node-b"]), "auto")
+    p = placement.place(_where(["node-a", "node-b"]), "auto", store_dir=tmp_path)
+    assert p.backend == "gloo"  # auto: the engines have no GPU
+    folder = placement.rendezvous_folder(
+        p, private_dir="/private", shared_dir=str(tmp_path), token="abc"
+    )
+    assert folder == str(tmp_path / "dtlab-abc")
 
 
 def test_engines_of_this_machine_need_nothing_shared():
-    c = LabCluster(2, backend="gloo")
-    c._place(_where([HERE, HERE]))
-    assert c.single_host and c.devices == {0: None, 1: None}
-    assert c._local_pids() == {0: 1000, 1: 1001}
+    p = placement.place(_where([HERE, HERE]), "gloo")
+    assert p.single_host and p.devices == {0: None, 1: None}
+    assert p.local_pids() == {0: 1000, 1: 1001}
+    assert p.peers(0) == [1000, 1001]
+    assert (
+        placement.rendezvous_folder(
+            p, private_dir="/private", shared_dir=None, token=""
+        )
+        == "/private"
+    )
+
+
+def test_a_machine_refuses_what_it_cannot_give():
+    assert placement.check_request(None, "auto", gpus=0) == (4, "gloo")
+    assert placement.check_request(None, "auto", gpus=2) == (2, "nccl")
+    assert placement.check_request(3, "auto", gpus=None) == (3, "auto")  # a profile
+    with pytest.raises(ValueError, match="needs one GPU per engine"):
+        placement.check_request(3, "nccl", gpus=2)
+    with pytest.raises(ValueError, match="needs GPUs"):
+        placement.check_request(2, "nccl", gpus=0)
+    with pytest.raises(ValueError, match="give world_size"):
+        placement.check_request(None, "auto", gpus=None)
 
 
 def test_bad_settings_are_named(tmp_path):
@@ -81,9 +101,8 @@ def test_bad_settings_are_named(tmp_path):
         LabCluster(profile_dir="cluster/ssh")
     with pytest.raises(ValueError, match="is not a folder"):
         LabCluster(2, store_dir=tmp_path / "missing")
-    c = LabCluster(9, profile_dir="cluster/ssh", backend="gloo", store_dir=tmp_path)
     with pytest.raises(ValueError, match="9 CPU engines on 1 cores"):
-        c._place(_where(["node-a"] * 9, cpus=1))
+        placement.place(_where(["node-a"] * 9, cpus=1), "gloo", store_dir=tmp_path)
 
 
 # ---- a live cluster whose rank 1 is "elsewhere" -----------------------------------
@@ -91,9 +110,9 @@ class _TwoHosts(LabCluster):
     """Rank 1's engine reports another host name: the cluster must treat it as a
     machine it cannot see into."""
 
-    def _place(self, where):
+    def place(self, where):
         where[1] = {**where[1], "host": "node-b"}
-        super()._place(where)
+        return super().place(where)
 
 
 def _sum_ranks():
@@ -124,8 +143,8 @@ def test_a_world_across_hosts_meets_in_the_shared_folder(tmp_path, monkeypatch):
         _TwoHosts(2, backend="gloo", timeout=10).start()  # nothing shared: refused
     c.start()
     try:
-        assert c.hosts == {0: HERE, 1: "node-b"} and not c.single_host
-        assert list(c._local_pids()) == [0]
+        assert c.placement.hosts == {0: HERE, 1: "node-b"}
+        assert not c.placement.single_host and list(c.local_pids()) == [0]
         # the rendezvous happened in the shared folder, under this cluster's name
         (folder,) = tmp_path.iterdir()
         assert folder.name.startswith("dtlab-")

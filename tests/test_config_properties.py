@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dtlab.launch import max_cpu_world_size
 from dtlab.model import GPTConfig
 from dtlab.topology import Layout
 from dtlab.train import TrainConfig
@@ -383,7 +384,7 @@ def test_start_with_a_world_the_machine_cannot_give_stops_nothing():
     before = _children()
     try:
         with pytest.raises(ValueError, match="more than this machine can run"):
-            cluster_mod.start(world_size=cluster_mod.max_cpu_world_size() + 1)
+            cluster_mod.start(world_size=max_cpu_world_size() + 1)
         assert not old.stopped, "a bad request stopped the running cluster"
         with pytest.raises(ValueError, match="world_size must be a positive"):
             cluster_mod.start(world_size=0)

@@ -6,8 +6,26 @@ import pytest
 
 pytest.importorskip("plotly")
 
+import plotly.graph_objects as go  # noqa: E402
+
 from dtlab import estimate  # noqa: E402
-from dtlab.lab import dashboard as dash  # noqa: E402
+from dtlab.lab.figures.base import COMPUTE_SPANS  # noqa: E402
+from dtlab.lab.figures.composed import (  # noqa: E402
+    compare,
+    compare_table,
+    placement_figure,
+)
+from dtlab.lab.figures.dashboard import (  # noqa: E402
+    Dashboard,
+    predicted_memory,
+    predicted_traffic,
+    rank_memory_figure,
+)
+from dtlab.lab.figures.traffic import (  # noqa: E402
+    peer_of,
+    traffic_by_step,
+    traffic_matrix,
+)
 from dtlab.lab.training import start_run  # noqa: E402
 from dtlab.model import GPT, GPTConfig  # noqa: E402
 from dtlab.topology import Layout  # noqa: E402
@@ -18,23 +36,30 @@ BASE = TrainConfig(model=MODEL, steps=4, global_batch_size=8)
 
 
 def _comm(rank, op, axis, wire, step=0, tag=None):
-    return {"kind": "comm", "rank": rank, "op": op, "axis": axis,
-            "wire_bytes": wire, "step": step, "tag": tag}  # fmt: skip
+    return {
+        "kind": "comm",
+        "rank": rank,
+        "op": op,
+        "axis": axis,
+        "wire_bytes": wire,
+        "step": step,
+        "tag": tag,
+    }
 
 
 def test_peers_follow_the_ring_of_each_group_and_the_pipeline():
     layout = Layout(dp=2, tp=2, pp=2)  # ranks: tp fastest, then dp, then pp
     # rank 5 = pp1 dp0 tp1: tp group [4, 5], dp group [5, 7], pp group [1, 5]
-    assert dash.peer_of(_comm(5, "all_reduce", "tp", 1), layout) == 4  # wraps
-    assert dash.peer_of(_comm(5, "reduce_scatter", "dp", 1), layout) == 7
-    assert dash.peer_of(_comm(1, "send", "pp", 1, tag="act"), layout) == 5
-    assert dash.peer_of(_comm(5, "send", "pp", 1, tag="grad"), layout) == 1
-    assert dash.peer_of(_comm(5, "all_reduce", "world", 1), layout) == 6
-    assert dash.peer_of({**_comm(2, "send", "pp", 1), "peer": 0}, layout) == 0
-    assert dash.peer_of(_comm(5, "recv", "pp", 0), layout) is None
-    assert dash.peer_of(_comm(5, "barrier", "world", 0), layout) is None
+    assert peer_of(_comm(5, "all_reduce", "tp", 1), layout) == 4  # wraps
+    assert peer_of(_comm(5, "reduce_scatter", "dp", 1), layout) == 7
+    assert peer_of(_comm(1, "send", "pp", 1, tag="act"), layout) == 5
+    assert peer_of(_comm(5, "send", "pp", 1, tag="grad"), layout) == 1
+    assert peer_of(_comm(5, "all_reduce", "world", 1), layout) == 6
+    assert peer_of({**_comm(2, "send", "pp", 1), "peer": 0}, layout) == 0
+    assert peer_of(_comm(5, "recv", "pp", 0), layout) is None
+    assert peer_of(_comm(5, "barrier", "world", 0), layout) is None
     events = [_comm(r, "all_reduce", "dp", 10.0) for r in range(8)]
-    m = dash.traffic_matrix(events, layout)
+    m = traffic_matrix(events, layout)
     # every rank sent its 10 bytes to its dp partner, nobody else
     assert [[c for c, v in enumerate(row) if v] for row in m] == [
         [layout.group_of("dp", r)[1 - layout.coords(r)["dp"]]] for r in range(8)
@@ -52,7 +77,7 @@ class _Clock:
 
 def test_dashboard_throttles_and_keeps_bounded_windows():
     clock = _Clock()
-    board = dash.Dashboard(
+    board = Dashboard(
         BASE, 2, min_interval=0.2, loss_window=5, traffic_steps=3, clock=clock
     )
     assert len(board.updates) == 0  # built empty, not redrawn yet
@@ -73,7 +98,7 @@ def test_dashboard_throttles_and_keeps_bounded_windows():
     assert list(traffic.data[0].y) == [0.1] * 3  # 200 B over 2 ranks, in kB
     assert board.received == 80
     # the rank x rank matrix keeps the whole run: 20 steps of 100 B each way
-    assert board._matrix == [[0.0, 2000.0], [2000.0, 0.0]]
+    assert board.matrix == [[0.0, 2000.0], [2000.0, 0.0]]
     # a new run starts from empty views
     board.reset(BASE, 2)
     assert list(board.figures["loss"].data) == [] and board.received == 0
@@ -82,21 +107,22 @@ def test_dashboard_throttles_and_keeps_bounded_windows():
 def test_memory_view_stacks_measured_next_to_predicted():
     measured = {r: {"params": 4000, "grads": 4000, "optimizer": 8000} for r in (0, 1)}
     predicted = {r: {"params": 4000, "grads": 4000, "optimizer": 8000} for r in (0, 1)}
-    fig = dash.memory_view(measured, predicted)
+    fig = go.Figure(rank_memory_figure(measured, predicted))  # a figure dict
     params = next(t for t in fig.data if t.name == "params")
     assert [list(c) for c in params.x] == [
         ["rank 0", "rank 0", "rank 1", "rank 1"],
         ["measured", "predicted"] * 2,
     ]
     assert list(params.y) == [4.0] * 4
-    assert len(dash.memory_view(measured, None).data[0].y) == 2  # no estimate
+    no_estimate = rank_memory_figure(measured, None)
+    assert len(no_estimate["data"][0]["y"]) == 2
 
 
 @pytest.mark.cluster
 def test_views_are_redrawn_while_the_ranks_train(lab_cluster):
     cluster = lab_cluster(4)
     config = BASE.replace(steps=8)
-    board = dash.Dashboard(config, 4, min_interval=0.05)
+    board = Dashboard(config, 4, min_interval=0.05)
     live = start_run(cluster, config, on_events=board, pace=0.15)
     run = live.wait(120)
     board.flush()
@@ -111,15 +137,15 @@ def test_views_are_redrawn_while_the_ranks_train(lab_cluster):
     assert all(b - a >= 0.04 for a, b in zip(times, times[1:]))
     # what the views show at the end is what the ranks recorded
     memory = {e["rank"]: e for e in run.events if e["kind"] == "memory"}
-    assert board._memory == memory
+    assert board.memory == memory
     spans = [e for e in run.events if e["kind"] == "span" and e["step"] == 7]
     timeline = board.figures["timeline"]
     assert sum(len(t.x) for t in timeline.data) == len(
-        [e for e in spans if e["name"] in dash.SPAN_NAMES]
+        [e for e in spans if e["name"] in COMPUTE_SPANS]
     )
-    traffic = dash.traffic_by_step(run.events)
-    assert board._traffic[7] == traffic[7]
-    assert dash.traffic_matrix(run.events, Layout(dp=4)) == board._matrix
+    traffic = traffic_by_step(run.events)
+    assert board.traffic[7] == traffic[7]
+    assert traffic_matrix(run.events, Layout(dp=4)) == board.matrix
     # DDP's gradient all-reduce: every rank sends 2(N-1)/N * 4 bytes * Psi per step
     psi = GPT(MODEL).n_params()
     grads = sum(
@@ -135,14 +161,14 @@ def test_compare_is_built_from_two_real_runs(lab_cluster):
     cluster = lab_cluster(4)
     ddp = start_run(cluster, BASE).wait(120)
     zero3 = start_run(cluster, BASE.replace(strategy="zero3")).wait(120)
-    rows = dash.compare_table([ddp, zero3])
+    rows = compare_table([ddp, zero3])
     assert [r["name"] for r in rows] == ["dp4·tp1·pp1"] * 2
     # ZeRO-3 shards the model states over 4 ranks: less memory, 1.5x the dp bytes
     assert rows[1]["memory"]["params"] < rows[0]["memory"]["params"] / 3
     assert rows[1]["bytes_per_step"]["dp"] > 1.4 * rows[0]["bytes_per_step"]["dp"]
     # the same training: losses agree up to the order of the gradient sums
     assert rows[1]["final_loss"] == pytest.approx(rows[0]["final_loss"], rel=1e-5)
-    fig = dash.compare(ddp, zero3, names=["DDP", "ZeRO-3"])
+    fig = compare(ddp, zero3, names=["DDP", "ZeRO-3"])
     lines = [t for t in fig.data if t.type == "scatter"]
     assert [t.name for t in lines] == ["DDP", "ZeRO-3"]
     assert list(lines[0].y) == ddp.losses() and list(lines[1].y) == zero3.losses()
@@ -156,7 +182,7 @@ def test_compare_is_built_from_two_real_runs(lab_cluster):
 
 def test_predictions_are_the_estimates_for_each_stage():
     config = BASE.replace(layout=Layout(dp=2, pp=2))
-    by_rank = dash.predicted_memory(config, 4)
+    by_rank = predicted_memory(config, 4)
     for rank in range(4):
         stage = Layout(dp=2, pp=2).coords(rank)["pp"]
         assert by_rank[rank] == estimate.layout_memory(
@@ -167,21 +193,21 @@ def test_predictions_are_the_estimates_for_each_stage():
             microbatches=2,
             activations="dtlab",  # what the run's saved-tensor count measures
         )
-    traffic = dash.predicted_traffic(config, 4)
+    traffic = predicted_traffic(config, 4)
     assert set(traffic) >= {"dp", "tp", "pp"}
 
 
 def test_placement_puts_tp_groups_inside_nodes_in_megatron_order():
-    fig = dash.placement_figure(Layout(dp=2, tp=2, pp=2), gpus_per_node=4)
+    fig = placement_figure(Layout(dp=2, tp=2, pp=2), gpus_per_node=4)
     (heat,) = fig.data
     # node 0 holds pp stage 0 (ranks 0-3), node 1 stage 1 (ranks 4-7)
     assert [list(row) for row in heat.z] == [[0, 0, 0, 0], [1, 1, 1, 1]]
     assert heat.text[1][3] == "r7<br>pp1 dp1 tp1"
     assert "inside a node" in fig.layout.title.text
-    crossing = dash.placement_figure(Layout(dp=1, tp=8, pp=1), gpus_per_node=4)
+    crossing = placement_figure(Layout(dp=1, tp=8, pp=1), gpus_per_node=4)
     assert "CROSS nodes" in crossing.layout.title.text
     with pytest.raises(ValueError, match="gpus_per_node"):
-        dash.placement_figure(Layout(dp=6), gpus_per_node=4)
+        placement_figure(Layout(dp=6), gpus_per_node=4)
 
 
 def test_snapshot_reads_layouts():
@@ -202,7 +228,7 @@ def test_snapshot_draws_the_dashboard_of_a_real_run(lab_cluster):
     lines = [t for t in fig.data if t.type == "scatter" and t.name.startswith("rank")]
     assert [list(t.y) for t in lines] == [run.losses()] * 4
     (heat,) = [t for t in fig.data if t.type == "heatmap"]
-    matrix = dash.traffic_matrix(run.events, Layout(dp=4))
+    matrix = traffic_matrix(run.events, Layout(dp=4))
     assert [list(row) for row in heat.z] == [[v / 1e3 for v in row] for row in matrix]
     bars = {t.name for t in fig.data if t.type == "bar"}
     assert {"params", "grads", "optimizer", "F", "B", "dp · all_reduce"} <= bars

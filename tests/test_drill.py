@@ -7,27 +7,58 @@ from pathlib import Path
 
 import pytest
 
-from dtlab import estimate as est
-from dtlab.lab import drill as dr
+from dtlab import estimate
+from dtlab.lab.drill import CARDS, SOURCE_QUESTIONS, Drill, Measurement
+from dtlab.lab.drill.cards import CARDS_FILE, load_cards
 
 SOURCES = Path("/work/shared/sources")
 
 
 def test_every_source_question_has_a_card():
-    keys = {c.key for c in dr.CARDS}
-    assert len(keys) == len(dr.CARDS)  # one card per key
-    assert set(dr.SOURCE_QUESTIONS.values()) <= keys
+    keys = {c.key for c in CARDS}
+    assert len(keys) == len(CARDS)  # one card per key
+    assert set(SOURCE_QUESTIONS.values()) <= keys
     # the themes the chapter promises (the brief's list), each a card
-    for key in ("dp_vs_mp", "fsdp_shards", "tp_in_node", "pipeline_bubble",
-                "zero3_vs_fsdp", "zero_stages", "dp_vs_ddp", "one_f_one_b",
-                "amp_loss_scaling", "three_d", "accelerate_vs_deepspeed", "offload",
-                "comm_dominates", "training_vs_serving"):  # fmt: skip
+    for key in (
+        "dp_vs_mp",
+        "fsdp_shards",
+        "tp_in_node",
+        "pipeline_bubble",
+        "zero3_vs_fsdp",
+        "zero_stages",
+        "dp_vs_ddp",
+        "one_f_one_b",
+        "amp_loss_scaling",
+        "three_d",
+        "accelerate_vs_deepspeed",
+        "offload",
+        "comm_dominates",
+        "training_vs_serving",
+    ):
         assert key in keys
-    for card in dr.CARDS:
+    for card in CARDS:
         assert card.question.endswith("?")
-        assert set(card.answer) == {"replicated", "sharded", "synchronized", "cost",
-                                    "summary"}  # fmt: skip
-        assert all(len(v) > 10 for v in card.answer.values()), card.key
+        assert set(card.answer) == {
+            "replicated",
+            "sharded",
+            "synchronized",
+            "cost",
+            "summary",
+        }
+        # five different sentences, not one pasted into every slot
+        assert len(set(card.answer.values())) == 5, card.key
+        assert all(v.endswith(".") for v in card.answer.values()), card.key
+
+
+def test_a_broken_cards_file_is_refused_by_name(tmp_path):
+    text = CARDS_FILE.read_text(encoding="utf-8")
+    bad = tmp_path / "cards.ini"
+    bad.write_text(text.replace("measure = fsdp_param_shards", "measure = fsdp"))
+    with pytest.raises(ValueError, match="card 'fsdp_shards' names no measurement"):
+        load_cards(bad)
+    bad.write_text(text.replace("sources = strategies\n", "sources = blog\n", 1))
+    with pytest.raises(ValueError, match="unknown sources \\['blog'\\]"):
+        load_cards(bad)
 
 
 @pytest.mark.skipif(not SOURCES.is_dir(), reason="the syllabus texts are not here")
@@ -40,20 +71,20 @@ def test_the_sources_questions_are_all_mapped():
     topics = re.findall(r"^\s+\d\. (?:🔥)+ (.+?)(?: — .*)?$", prio, flags=re.M)
     assert len(topics) == 7
     for q in asked + topics:
-        assert q.strip() in dr.SOURCE_QUESTIONS, q
+        assert q.strip() in SOURCE_QUESTIONS, q
 
 
 @pytest.fixture(scope="module")
 def revealed(lab_cluster):
-    drill = dr.Drill(lab_cluster(4))
+    drill = Drill(lab_cluster(4))
     return drill, drill.reveal_all()
 
 
 def test_every_card_reveals_a_measurement(revealed):
     drill, results = revealed
-    assert set(results) == {c.key for c in dr.CARDS}
+    assert set(results) == {c.key for c in CARDS}
     for key, m in results.items():
-        assert isinstance(m, dr.Measurement)
+        assert isinstance(m, Measurement)
         assert m.kind in ("live", "simulate", "local", "estimate"), key
         assert m.text and m.unit
         view = drill.views[key]
@@ -85,12 +116,12 @@ def test_measurements_agree_with_the_formulas(revealed):
 
 
 def test_reveal_rejects_unknown_cards_and_needs_a_cluster_for_live_ones():
-    drill = dr.Drill()
+    drill = Drill()
     with pytest.raises(ValueError, match="no card"):
         drill.reveal("dp-vs-ddp")
     with pytest.raises(ValueError, match="live cluster"):
         drill.reveal("zero_stages")
     # simulated and analytic cards need no cluster
     assert drill.reveal("pipeline_bubble").value == pytest.approx(
-        est.pipeline_bubble_fraction(4, 4)
+        estimate.pipeline_bubble_fraction(4, 4)
     )

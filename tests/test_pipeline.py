@@ -562,10 +562,10 @@ def test_estimate_rejects_bad_pipeline_input():
 
 def test_gantt_draws_one_bar_per_span_and_one_row_per_stage():
     pytest.importorskip("plotly")
-    from dtlab.lab import plots
+    from dtlab.lab.figures.pipeline import pipeline_bubble_figure, pipeline_gantt
 
     spans = simulate(interleaved_1f1b(2, 4, 2))
-    fig = plots.pipeline_gantt(spans, scale=1, unit="t_f")
+    fig = pipeline_gantt(spans, scale=1, unit="t_f")
     bars = {t.name: t for t in fig.data}
     assert sum(len(t.x) for t in fig.data) == len(spans)
     assert len(bars["F"].x) == len(bars["B"].x) == 2 * 4 * 2
@@ -580,5 +580,5 @@ def test_gantt_draws_one_bar_per_span_and_one_row_per_stage():
     rows = [
         {"p": 2, "m": m, "simulated": bubble(simulate(gpipe(2, m)))} for m in (1, 2)
     ]
-    fig = plots.pipeline_bubble_figure(rows)
+    fig = pipeline_bubble_figure(rows)
     assert list(fig.data[-1].y) == pytest.approx([0.5, 1 / 3])

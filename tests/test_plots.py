@@ -10,7 +10,16 @@ import torch
 pytest.importorskip("plotly")
 
 from dtlab import comm, estimate, telemetry  # noqa: E402
-from dtlab.lab import plots  # noqa: E402
+from dtlab.lab.figures.collectives import (  # noqa: E402
+    collective_time_figure,
+    collective_times,
+    rank_tensors_figure,
+    summarize_times,
+    traffic_figure,
+)
+from dtlab.lab.figures.export import save_png  # noqa: E402
+from dtlab.lab.figures.live import LiveFigure  # noqa: E402
+from dtlab.lab.figures.timeline import align_clocks, timeline_figure  # noqa: E402
 
 N = 4
 
@@ -68,7 +77,7 @@ def _predicted(fig):
 
 @pytest.mark.cluster
 def test_traffic_bars_are_the_recorded_wire_bytes(recorded):
-    fig = plots.traffic_figure(recorded)
+    fig = traffic_figure(recorded)
     bars = _bars(fig)
     assert set(bars) == {
         "all_reduce",
@@ -90,11 +99,12 @@ def test_traffic_bars_are_the_recorded_wire_bytes(recorded):
     # the default prediction applies estimate.wire_bytes to each recorded call
     for rank, y in enumerate(_predicted(fig)):
         expected = sum(
-            estimate.wire_bytes(e["op"], e["payload_bytes"], 2 if e["op"] in
-                                ("send", "recv") else N)
+            estimate.wire_bytes(
+                e["op"], e["payload_bytes"], 2 if e["op"] in ("send", "recv") else N
+            )
             for e in telemetry.comm_events(recorded)
             if e["rank"] == rank
-        )  # fmt: skip
+        )
         assert y == pytest.approx(expected, rel=1e-12)
 
 
@@ -102,7 +112,7 @@ def test_traffic_bars_are_the_recorded_wire_bytes(recorded):
 def test_ring_sends_match_two_n_minus_one_over_n(recorded):
     sends = telemetry.comm_events(recorded, op="send", tag="ring")
     S = 1000 * N * 4  # fp32 bytes of the ring tensor
-    fig = plots.traffic_figure(sends, predicted=estimate.wire_bytes("all_reduce", S, N))
+    fig = traffic_figure(sends, predicted=estimate.wire_bytes("all_reduce", S, N))
     # every rank sent 2(N-1) chunks of S/N bytes, counted one send at a time
     assert _bars(fig)["send"] == [2 * (N - 1) / N * S] * N
     assert _predicted(fig) == [2 * (N - 1) / N * S] * N
@@ -111,28 +121,37 @@ def test_ring_sends_match_two_n_minus_one_over_n(recorded):
 
 def test_traffic_by_tag_and_bad_predictions():
     events = [
-        {"kind": "comm", "rank": r, "op": "all_reduce", "axis": "dp",
-         "payload_bytes": 400, "wire_bytes": 300.0, "tag": t, "t_start": 0,
-         "t_end": 1}
-        for r in range(2) for t in ("a", "b")
-    ]  # fmt: skip
-    fig = plots.traffic_figure(events, key="tag", predicted=[600, 600])
+        {
+            "kind": "comm",
+            "rank": r,
+            "op": "all_reduce",
+            "axis": "dp",
+            "payload_bytes": 400,
+            "wire_bytes": 300.0,
+            "tag": t,
+            "t_start": 0,
+            "t_end": 1,
+        }
+        for r in range(2)
+        for t in ("a", "b")
+    ]
+    fig = traffic_figure(events, key="tag", predicted=[600, 600])
     assert _bars(fig) == {"a": [300.0, 300.0], "b": [300.0, 300.0]}
     with pytest.raises(ValueError, match="group_sizes"):
-        plots.traffic_figure(events)  # the dp group's size is unknown
-    fig = plots.traffic_figure(events, group_sizes={"dp": 4})
+        traffic_figure(events)  # the dp group's size is unknown
+    fig = traffic_figure(events, group_sizes={"dp": 4})
     assert _predicted(fig) == [2 * estimate.wire_bytes("all_reduce", 400, 4)] * 2
     with pytest.raises(ValueError, match="one number per rank"):
-        plots.traffic_figure(events, predicted=[1, 2, 3])
+        traffic_figure(events, predicted=[1, 2, 3])
     with pytest.raises(ValueError, match="make_subplots"):
-        plots.traffic_figure(events, row=1, col=1)
-    assert len(plots.traffic_figure([]).data) == 0  # nothing recorded: empty axes
+        traffic_figure(events, row=1, col=1)
+    assert len(traffic_figure([]).data) == 0  # nothing recorded: empty axes
 
 
 # ---- time against size --------------------------------------------------------------
 @pytest.mark.cluster
 def test_collective_times_take_the_slowest_rank_per_call(recorded):
-    sizes, times = plots.collective_times(recorded, "all_reduce", tag="sweep")
+    sizes, times = collective_times(recorded, "all_reduce", tag="sweep")
     assert sizes == [1024, 16384]
     assert [len(t) for t in times] == [3, 3]
     for size, reps in zip(sizes, times):
@@ -150,10 +169,10 @@ def test_collective_times_take_the_slowest_rank_per_call(recorded):
 def test_time_figure_draws_fit_and_its_two_terms():
     sizes = [1024, 16384, 262144, 4194304]
     times = [[1e-3, 1.2e-3], [1.1e-3, 1.3e-3], [2e-3, 2.2e-3], [9e-3, 9.5e-3]]
-    mid = plots.summarize_times(times)
+    mid = summarize_times(times)
     wire = [estimate.wire_bytes("all_reduce", s, N) for s in sizes]
     fit = estimate.fit_alpha_beta(wire, mid)
-    fig = plots.collective_time_figure(sizes, times, fit, op="all_reduce", n=N)
+    fig = collective_time_figure(sizes, times, fit, op="all_reduce", n=N)
     assert fig.layout.xaxis.type == fig.layout.yaxis.type == "log"
     by_name = {t.name.split(":")[0]: t for t in fig.data}
     assert list(by_name["measured"].y) == [statistics.median(t) for t in times]
@@ -170,20 +189,20 @@ def test_time_figure_draws_fit_and_its_two_terms():
         for s, t in zip(sizes, mid)
     ]
     with pytest.raises(ValueError, match="sizes"):
-        plots.collective_time_figure([1, 2], [1.0])
+        collective_time_figure([1, 2], [1.0])
 
 
 # ---- tensors and timeline ----------------------------------------------------------
 def test_rank_tensors_figure_shows_each_rank_row():
     before = [torch.arange(4.0) + r for r in range(N)]
     after = [torch.full((1,), float(r)) for r in range(N)]  # ragged is fine
-    fig = plots.rank_tensors_figure(before, after)
+    fig = rank_tensors_figure(before, after)
     left, right = fig.data
     assert [list(row) for row in left.z] == [[float(v) for v in t] for t in before]
     assert [list(row) for row in right.z] == [[float(r)] for r in range(N)]
     assert list(left.y) == [f"rank {r}" for r in range(N)]
     with pytest.raises(ValueError, match="ranks"):
-        plots.rank_tensors_figure(before, after[:2])
+        rank_tensors_figure(before, after[:2])
 
 
 @pytest.mark.cluster
@@ -191,7 +210,7 @@ def test_timeline_bars_are_the_events(lab_cluster):
     cluster = lab_cluster(N)
     cluster.run(_steps_with_spans, 3, record=True, timeout=60)
     events = cluster.last_events
-    fig = plots.timeline_figure(events, align=False)
+    fig = timeline_figure(events, align=False)
     bars = {t.name: t for t in fig.data}
     assert set(bars) == {"F", "all_reduce"}
     comm_ev = telemetry.comm_events(events)
@@ -200,7 +219,7 @@ def test_timeline_bars_are_the_events(lab_cluster):
     assert "rank 0 · compute" in set(bars["F"].y)
     # after alignment every rank's k-th all-reduce ends when rank 0's does
     # (medians of offsets: exact for the middle call of three)
-    aligned = plots.align_clocks(events)
+    aligned = align_clocks(events)
     ends = {
         r: [e["t_end"] for e in telemetry.comm_events(aligned) if e["rank"] == r]
         for r in range(N)
@@ -215,12 +234,26 @@ def test_align_clocks_removes_a_known_offset():
     for r, skew in enumerate([0.0, 0.5, -0.25]):
         for k in range(3):
             events.append(
-                {"kind": "comm", "rank": r, "op": "all_reduce", "axis": "world",
-                 "t_start": k + skew - 0.1 * r, "t_end": k + 0.2 + skew, "k": k}
-            )  # fmt: skip
-        events.append({"kind": "span", "rank": r, "name": "F", "t_start": 5 + skew,
-                       "t_end": 6 + skew})  # fmt: skip
-    out = plots.align_clocks(events)
+                {
+                    "kind": "comm",
+                    "rank": r,
+                    "op": "all_reduce",
+                    "axis": "world",
+                    "t_start": k + skew - 0.1 * r,
+                    "t_end": k + 0.2 + skew,
+                    "k": k,
+                }
+            )
+        events.append(
+            {
+                "kind": "span",
+                "rank": r,
+                "name": "F",
+                "t_start": 5 + skew,
+                "t_end": 6 + skew,
+            }
+        )
+    out = align_clocks(events)
     for e in out:
         if e["kind"] == "comm":
             assert e["t_end"] == pytest.approx(e["k"] + 0.2)
@@ -241,17 +274,25 @@ class _Clock:
 
 def _fake_events(start, count):
     return [
-        {"kind": "comm", "rank": 0, "op": "all_reduce", "axis": "world",
-         "payload_bytes": 4, "wire_bytes": 6.0, "t_start": i * 1e-3,
-         "t_end": i * 1e-3 + 5e-4, "tag": None}
+        {
+            "kind": "comm",
+            "rank": 0,
+            "op": "all_reduce",
+            "axis": "world",
+            "payload_bytes": 4,
+            "wire_bytes": 6.0,
+            "t_start": i * 1e-3,
+            "t_end": i * 1e-3 + 5e-4,
+            "tag": None,
+        }
         for i in range(start, start + count)
-    ]  # fmt: skip
+    ]
 
 
 def test_live_figure_throttles_and_keeps_a_bounded_window():
     clock = _Clock()
-    live = plots.LiveFigure(
-        plots.timeline_figure, window=5, min_interval=0.2, clock=clock, align=False
+    live = LiveFigure(
+        timeline_figure, window=5, min_interval=0.2, clock=clock, align=False
     )
     assert live.redraws == 0
     drawn = [live(_fake_events(i, 1)) for i in range(10)]  # all at t = 0
@@ -269,26 +310,29 @@ def test_live_figure_throttles_and_keeps_a_bounded_window():
     assert len(live.widget.data[0].base) == 5
     assert live.flush() is False  # nothing pending
     with pytest.raises(ValueError, match="window"):
-        plots.LiveFigure(window=0)
+        LiveFigure(window=0)
 
 
 @pytest.mark.cluster
 def test_live_figure_as_on_events_of_a_run(lab_cluster):
     cluster = lab_cluster(N)
-    live = plots.LiveFigure(plots.traffic_figure, window=10_000, min_interval=0.0)
+    live = LiveFigure(traffic_figure, window=10_000, min_interval=0.0)
     cluster.run(_steps_with_spans, 5, on_events=live, timeout=60)
     live.flush()
     assert live.received == len(cluster.last_events) > 0
     bars = {t.name: list(t.y) for t in live.widget.data if t.type == "bar"}
-    assert bars == _bars(plots.traffic_figure(cluster.last_events))
+    assert bars == _bars(traffic_figure(cluster.last_events))
 
 
 # ---- static export ------------------------------------------------------------------
 def test_save_png_writes_a_png(tmp_path):
-    if plots.find_chromium() is None:
-        pytest.skip("no Chromium for kaleido: apt-get install -y chromium")
-    fig = plots.traffic_figure(_fake_events(0, 3))
-    path = plots.save_png(fig, tmp_path / "t.png", width=320, height=200)
+    fig = traffic_figure(_fake_events(0, 3))
+    try:
+        path = save_png(fig, tmp_path / "t.png", width=320, height=200)
+    except RuntimeError as exc:  # kaleido found no Chromium (CI installs one)
+        if "chrome" not in str(exc).lower():
+            raise
+        pytest.skip(f"no Chromium for kaleido: apt-get install -y chromium ({exc})")
     data = open(path, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk

@@ -71,7 +71,7 @@ def _own_listening_sockets():
 @pytest.mark.cluster
 def test_cluster_processes_listen_on_loopback_only(lab_cluster):
     cluster = lab_cluster(2)
-    controller = cluster._cluster.controller.process.pid
+    controller = cluster.ipp_cluster.controller.process.pid
     out = cluster.run(_own_listening_sockets)
     for rank, (store, ips, n) in enumerate(out):
         # the rendezvous is a file, not a TCPStore (which binds every interface)
@@ -87,7 +87,7 @@ def test_cluster_processes_listen_on_loopback_only(lab_cluster):
 @pytest.mark.cluster
 def test_connection_files_are_private_and_keyed(lab_cluster):
     cluster = lab_cluster(2)
-    ipp = cluster._cluster
+    ipp = cluster.ipp_cluster
     security = os.path.join(ipp.profile_dir, "security")
     files = [
         os.path.join(security, f"ipcontroller-{ipp.cluster_id}-{who}.json")
@@ -101,10 +101,12 @@ def test_connection_files_are_private_and_keyed(lab_cluster):
         assert info["signature_scheme"].startswith("hmac-")
         assert info["interface"] == "tcp://127.0.0.1"
     # the cluster's own folder (rendezvous file, status boards) is private too
-    assert stat.S_IMODE(os.stat(cluster._tmp).st_mode) == 0o700
-    for name in os.listdir(cluster._tmp):
+    assert stat.S_IMODE(os.stat(cluster.private_dir).st_mode) == 0o700
+    for name in os.listdir(cluster.private_dir):
         if name.startswith("board-"):
-            mode = stat.S_IMODE(os.stat(os.path.join(cluster._tmp, name)).st_mode)
+            mode = stat.S_IMODE(
+                os.stat(os.path.join(cluster.private_dir, name)).st_mode
+            )
             assert mode == 0o600, (name, oct(mode))
 
 

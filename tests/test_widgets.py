@@ -11,7 +11,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 from dtlab.lab import RankError  # noqa: E402
-from dtlab.lab.dashboard import Dashboard  # noqa: E402
+from dtlab.lab.figures.dashboard import Dashboard  # noqa: E402
 from dtlab.lab.training import start_run  # noqa: E402
 from dtlab.lab.widgets import ControlPanel, factorisations, layout_choices  # noqa: E402
 from dtlab.model import GPTConfig  # noqa: E402
@@ -65,8 +65,12 @@ def test_layout_picker_offers_exactly_the_valid_factorisations():
     # a new world size gives a new list, and keeps none of the old layouts
     panel.world.value = 4
     assert {(lay.dp, lay.tp, lay.pp) for lay in panel.valid_layouts} == {
-        (4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)
-    }  # fmt: skip
+        (4, 1, 1),
+        (2, 2, 1),
+        (1, 4, 1),
+        (2, 1, 2),
+        (1, 2, 2),
+    }
     assert panel.layout.value in panel.valid_layouts
     assert "pp=4 does not divide" in panel.invalid.value
 
@@ -84,7 +88,7 @@ def test_a_config_that_cannot_run_disables_run_and_says_why():
     assert "ValueError" in text and "does not split" in text
     panel.world.value = 4
     panel.base = BASE
-    panel._refresh_check()
+    panel.refresh()
     assert not panel.run_button.disabled and "✓" in panel.check_message.value
 
 
@@ -110,8 +114,9 @@ def test_pipeline_settings_go_into_the_config_only_with_a_pipeline():
 @pytest.mark.cluster
 def test_run_button_trains_the_config_the_widgets_show(lab_cluster):
     cluster = lab_cluster(4)
-    panel = ControlPanel(cluster, base=BASE, dashboard=Dashboard(min_interval=0.05),
-                         pace=0.05)  # fmt: skip
+    panel = ControlPanel(
+        cluster, base=BASE, dashboard=Dashboard(min_interval=0.05), pace=0.05
+    )
     panel.layout.value = Layout(dp=2, pp=2)
     panel.strategy.value = "zero1"
     panel.microbatches.value = 2

@@ -1,9 +1,28 @@
 """The notebook layer: the live cluster, control panels and live figures.
 
-The only part of dtlab that imports ipyparallel, ipywidgets and plotly (lazily, so
-``import dtlab.lab`` stays cheap)."""
+The only part of dtlab that imports ipyparallel, ipywidgets and plotly. Which
+process a function runs in is told by where it lives:
 
-from dtlab.lab.cluster import EngineDied, LabCluster, start, stop_all
+- :mod:`dtlab.lab.engine`: everything that runs *inside an engine*, one process
+  per rank (joining the world, running the user's function, the status board,
+  fail-fast, the Stop handler, the training loops, the drill's runs, the telemetry
+  sink that streams to the notebook);
+- everything else runs in the *notebook's* kernel:
+
+  - :mod:`~dtlab.lab.cluster`: start, reset, restart and stop the engines; run a
+    function on every rank (:mod:`~dtlab.lab.placement`: which rank goes where;
+    :mod:`~dtlab.lab.waiting`: waiting for the ranks;
+    :mod:`~dtlab.lab.failures`: the errors, and what each rank was doing;
+    :mod:`~dtlab.lab.processes`: the engines as processes);
+  - :mod:`~dtlab.lab.training`: training on the cluster, live or in the background;
+  - :mod:`~dtlab.lab.figures`: every chapter's figures, the dashboard, live figures;
+  - :mod:`~dtlab.lab.widgets` (the control panel), :mod:`~dtlab.lab.planner` (the
+    planner panel), :mod:`~dtlab.lab.drill` (the interview drill);
+  - :mod:`~dtlab.lab.snapshot`: the README picture, ``python -m dtlab.lab.snapshot``.
+"""
+
+from dtlab.lab.cluster import LabCluster, start, stop_all
+from dtlab.lab.failures import EngineDied
 from dtlab.launch import RankError
 
 __all__ = ["EngineDied", "LabCluster", "RankError", "start", "stop_all"]

@@ -10,34 +10,13 @@ Taught in chapter 01; every later chapter starts with ``cluster = start(...)``.
     cluster.stop()
 
 Each engine is a separate Python process that joined one ``torch.distributed`` world
-with an explicit rank (engine ids are not ranks). ``%%px`` cells see ``rank``,
-``world_size`` and ``topo`` on every engine.
+with an explicit rank (engine ids are not ranks: :mod:`dtlab.lab.placement`).
+``%%px`` cells see ``rank``, ``world_size`` and ``topo`` on every engine. What runs
+*on* the engines is in :mod:`dtlab.lab.engine`; this module is the notebook's side.
 
-How failures surface:
-
-- an exception on one rank comes back as a :class:`dtlab.launch.RankError` naming the
-  rank and carrying its traceback; the failing rank destroyed its process group, so
-  its peers did not wait out the collective timeout. The next ``run`` resets the
-  group by itself (or call ``reset()``).
-- a rank that never arrives at a collective makes the others fail after
-  ``timeout`` seconds (the process group's timeout, 30 s by default).
-- an engine that dies is reported as :class:`EngineDied` (with how it ended: a
-  signal, an exit code); ``restart()`` brings up new engines.
-- the notebook's Stop button (KeyboardInterrupt while ``run`` waits) interrupts the
-  ranks too, and says where each one was.
-- every message says what each rank was doing: ``rank 2 was in all_reduce(numel=
-  1072, float32, group dp, tag 'ddp') for 0.3s``. Each engine keeps its current
-  collective in a small status file (:class:`dtlab.lab.engine._Board`, fed by
-  :func:`dtlab.comm.watch`) that the notebook reads even while the rank is stuck
-  or after it died; :meth:`LabCluster.doing` shows it any time.
-- ranks that call mismatched collectives: another op hangs until the group's
-  timeout (the status of each rank shows the two ops); another *size* makes gloo
-  abort the receiving engine (``EngineDied``, SIGABRT). ``LabCluster(
-  check_collectives=True)`` (or ``reset(check_collectives=True)``) runs torch's
-  collective checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``), which turns both into a
-  clean error on every rank; it is off by default because it costs ~4 ms per
-  collective on CPU ranks (measured: 0.6 ms -> 4.3 ms for a 256-float all-reduce
-  on 2 engines), several times a small collective's own time.
+An error on a rank, a rank that never arrives, a dead engine, the notebook's Stop
+button: each comes back as an error that names the rank and says what every rank
+was doing (:mod:`dtlab.lab.failures`); :meth:`LabCluster.doing` shows that any time.
 
 Everything listens on loopback only: the ipyparallel controller is bound to
 127.0.0.1, and the torch.distributed rendezvous is a file store (torch's TCPStore
@@ -56,28 +35,18 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import secrets
 import shutil
-import signal
 import tempfile
 import time
 import weakref
 from collections.abc import Callable
 
-from dtlab.lab import engine as _engine
-from dtlab.launch import RankError, max_cpu_world_size, rank_error
+from dtlab.lab import failures, placement, processes, waiting
+from dtlab.lab.engine import call, world
+from dtlab.lab.failures import WorldDown
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # clusters started by this process
-
-
-class _WorldDown(RuntimeError):
-    """Ranks found their process group gone before running anything."""
-
-
-class EngineDied(RuntimeError):
-    """An engine process exited while the cluster was using it."""
 
 
 class LabCluster:
@@ -91,7 +60,9 @@ class LabCluster:
     engines run (``cluster/local``, ``cluster/ssh``, ``cluster/slurm``).
     ``store_dir`` (or ``$DTLAB_STORE_DIR``): a folder every engine's host sees at
     the same path, for the rendezvous of a world that spans machines.
-    ``check_collectives``: torch's collective checker on every group (see above).
+    ``check_collectives``: torch's collective checker on every group (mismatched
+    collectives become clean errors, for a few ms per collective:
+    :mod:`dtlab.lab.failures`).
     """
 
     def __init__(
@@ -114,55 +85,19 @@ class LabCluster:
             raise ValueError(f"no ipyparallel profile folder at {profile_dir!r}")
         # without a profile the engines are this machine's processes: check now
         # what it can give; a profile's engines may run elsewhere, so their GPUs and
-        # cores are checked once they report (see _place)
-        here = profile_dir is None
+        # cores are checked once they report (see place)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if backend == "auto" and here:
-            backend = "nccl" if gpus else "gloo"
-        if backend not in ("gloo", "nccl", "auto"):
-            raise ValueError(
-                f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}"
-            )
-        if world_size is None and not here:
-            raise ValueError(
-                "with a profile, give world_size: the engines' machines decide "
-                "how many GPUs there are, not this one"
-            )
-        if world_size is None:
-            world_size = gpus if backend == "nccl" else 4
-        if (
-            isinstance(world_size, bool)
-            or not isinstance(world_size, int)
-            or world_size < 1
-        ):
-            raise ValueError(
-                f"world_size must be a positive integer, got {world_size!r}"
-            )
-        if backend == "nccl" and here:
-            if not gpus:
-                raise ValueError(
-                    "backend 'nccl' needs GPUs, and this machine has none: "
-                    "use backend='gloo' (CPU engines)"
-                )
-            if world_size > gpus and engines == "local":
-                raise ValueError(
-                    f"world_size={world_size} needs one GPU per engine, but "
-                    f"{gpus} are visible: use world_size <= {gpus}, or backend='gloo'"
-                )
-        elif here and engines == "local" and world_size > max_cpu_world_size():
-            raise ValueError(
-                f"world_size={world_size} CPU engines is more than this machine can "
-                f"run ({os.cpu_count()} cores): use at most {max_cpu_world_size()}"
-            )
-        self.world_size = world_size
-        self.backend = backend
+        self.world_size, self.backend = placement.check_request(
+            world_size,
+            backend,
+            gpus=gpus if profile_dir is None else None,
+            engines=engines,
+        )
         self.timeout = float(timeout)
         self.call_timeout = float(call_timeout)
         self.engines = engines
         self.start_timeout = start_timeout
         self.heartbeat_ms = heartbeat_ms
-        # torch's collective checker on every group (TORCH_DISTRIBUTED_DEBUG=DETAIL):
-        # mismatched collectives become clean errors, for ~ms per collective
         self.check_collectives = bool(check_collectives)
         self.profile_dir = os.path.abspath(profile_dir) if profile_dir else None
         # where the rendezvous file goes when the engines span machines
@@ -173,54 +108,75 @@ class LabCluster:
                 "engine's machine sees at the same path (a shared filesystem)"
             )
         self.store_dir = os.path.abspath(store_dir) if store_dir else None
-        self._cluster = None
+        self.ipp_cluster = None  # the ipyparallel.Cluster, while running
         self.client = None
         self.view = None
         self.rank_to_engine: dict[int, int] = {}
-        self.pids: dict[int, int] = {}  # each engine's pid, on its own host
-        self.hosts: dict[int, str] = {}  # each rank's host name
-        self.devices: dict[int, int | None] = {}  # nccl: each rank's GPU, per host
-        self.single_host = True
+        self.placement: placement.Placement | None = None
         self.generation = 0
-        self._needs_reset = False
-        self._tmp = None
+        self.private_dir: str | None = None  # the rendezvous file, the status boards
         self.last_events: list[dict] = []
         self.start_seconds: float | None = None
+        self.needs_reset = False  # the next run starts with a fresh process group
+        self._token = secrets.token_hex(8)  # names this cluster's shared folder
+
+    # ---- where the ranks are (dtlab.lab.placement) -------------------------------
+    @property
+    def pids(self) -> dict[int, int]:
+        """Each rank's engine pid, on its own host."""
+        return dict(self.placement.pids) if self.placement else {}
+
+    def local_pids(self) -> dict[int, int]:
+        """Rank -> pid for the engines of this machine."""
+        return self.placement.local_pids() if self.placement else {}
+
+    def place(self, where: list[dict]) -> placement.Placement:
+        """Decide each rank's host and GPU, and the backend ``"auto"`` stands for,
+        from what every engine reported (:func:`dtlab.lab.engine.world.whereami`);
+        :meth:`start` calls it before the world forms. Raises ``ValueError`` for
+        what the machines cannot give (:func:`dtlab.lab.placement.place`)."""
+        self.placement = placement.place(where, self.backend, store_dir=self.store_dir)
+        self.backend = self.placement.backend
+        return self.placement
+
+    def rendezvous_folder(self) -> str:
+        """Where the ranks meet (:func:`dtlab.lab.placement.rendezvous_folder`)."""
+        return placement.rendezvous_folder(
+            self.placement,
+            private_dir=self.private_dir,
+            shared_dir=self.store_dir,
+            token=self._token,
+        )
+
+    def store_file(self) -> str:
+        """The rendezvous file of the current generation's world."""
+        return os.path.join(self.rendezvous_folder(), f"store-{self.generation}")
+
+    def board_file(self, rank: int) -> str | None:
+        """The status file rank ``rank`` writes what it is doing into
+        (:mod:`dtlab.lab.engine.board`); ``None`` for engines elsewhere, which
+        cannot write into this machine's files."""
+        if self.private_dir is None or self.engines != "local" or self.profile_dir:
+            return None
+        return os.path.join(self.private_dir, f"board-{rank}")
 
     # ---- lifecycle --------------------------------------------------------------
     def start(self) -> LabCluster:
-        import ipyparallel as ipp
-
+        """Start the controller and the engines, and form the world."""
         t0 = time.perf_counter()
-        self._tmp = tempfile.mkdtemp(prefix="dtlab-cluster-")
-        settings = dict(
-            n=self.world_size,
+        self.private_dir = tempfile.mkdtemp(prefix="dtlab-cluster-")
+        self.ipp_cluster = processes.ipp_cluster(
+            self.world_size,
             engines=self.engines,
-            controller_ip="127.0.0.1",  # loopback only
-            # the heartbeat period bounds start-up and dead-engine detection
-            controller_args=[f"--HeartMonitor.period={self.heartbeat_ms}"],
-            delay=0.1,
-            log_level=40,
+            heartbeat_ms=self.heartbeat_ms,
+            profile_dir=self.profile_dir,
+            private_dir=self.private_dir,
         )
-        if self.profile_dir is not None:
-            # a profile (cluster/local, cluster/ssh, cluster/slurm) decides where the
-            # controller and engines run; only the engine count comes from here. Its
-            # config files are copied to a private folder: ipyparallel writes logs
-            # and connection keys into the profile folder, which may be a checkout.
-            private = os.path.join(self._tmp, "profile")
-            os.makedirs(private)
-            for name in os.listdir(self.profile_dir):
-                if name.endswith("_config.py"):
-                    shutil.copy(os.path.join(self.profile_dir, name), private)
-            settings = dict(n=self.world_size, profile_dir=private, log_level=40)
-            if self.engines != "local":
-                settings["engines"] = self.engines
-        self._cluster = ipp.Cluster(**settings)
         _LIVE.add(self)
         try:
             # not start_and_connect: in a notebook it draws a progress widget
-            self._cluster.start_cluster_sync()
-            self.client = self._cluster.connect_client_sync()
+            self.ipp_cluster.start_cluster_sync()
+            self.client = self.ipp_cluster.connect_client_sync()
             self.client.wait_for_engines(
                 self.world_size, timeout=self.start_timeout, interactive=False
             )
@@ -229,10 +185,10 @@ class LabCluster:
             self.view.use_cloudpickle()
             # explicit rank map: sorted engine ids -> ranks 0..N-1
             self.rank_to_engine = dict(enumerate(ids))
-            where = self.view.apply_async(_engine.whereami).get(
+            where = self.view.apply_async(world.whereami).get(
                 timeout=self.start_timeout
             )
-            self._place(where)
+            self.place(where)
             # the first setup also imports torch on every engine: on a busy machine
             # that alone takes tens of seconds, so it gets the start-up budget
             self._init_world(wait=self.start_timeout + self.timeout)
@@ -242,131 +198,51 @@ class LabCluster:
         self.start_seconds = time.perf_counter() - t0
         return self
 
-    def _place(self, where: list[dict]) -> None:
-        """From what each engine reported (pid, host, cores, GPUs): which ranks run
-        on this machine, each rank's GPU, the backend ``"auto"`` stands for, and
-        whether the world spans machines (then the rendezvous needs
-        ``store_dir``). Raises ``ValueError`` for what the machines cannot give.
-
-        Engines of one host that see the same GPUs (the ssh profile, a local
-        start) take them in rank order: device 0, 1, ... Engines that each see
-        their own (Slurm's ``--gpus-per-task=1`` sets ``CUDA_VISIBLE_DEVICES`` per
-        task) each take their device 0."""
-        self.pids = {r: w["pid"] for r, w in enumerate(where)}
-        self.hosts = {r: w["host"] for r, w in enumerate(where)}
-        self._here = os.uname().nodename
-        self.single_host = set(self.hosts.values()) == {self._here}
-        if self.backend == "auto":
-            self.backend = "nccl" if all(w["gpus"] for w in where) else "gloo"
-        by_host: dict[str, list[int]] = {}
-        by_view: dict[tuple, list[int]] = {}  # engines sharing one set of GPUs
-        for r, w in enumerate(where):
-            by_host.setdefault(w["host"], []).append(r)
-            by_view.setdefault((w["host"], w.get("visible")), []).append(r)
-        self.devices = {}
-        for (host, visible), ranks in by_view.items():
-            gpus = where[ranks[0]]["gpus"]
-            if self.backend == "nccl" and len(ranks) > gpus:
-                seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""
-                raise ValueError(
-                    f"host {host} runs {len(ranks)} engines (ranks {ranks}) that "
-                    f"share {gpus} GPUs{seen}: nccl needs one GPU per engine; ask "
-                    "for fewer engines per host, or use backend='gloo'"
-                )
-            for i, r in enumerate(ranks):  # rank order among those engines
-                self.devices[r] = i if self.backend == "nccl" else None
-        for host, ranks in by_host.items():
-            cpus = where[ranks[0]]["cpus"]
-            if self.backend == "gloo" and len(ranks) > max_cpu_world_size(cpus):
-                raise ValueError(
-                    f"host {host} runs {len(ranks)} CPU engines on {cpus} cores: "
-                    f"use at most {max_cpu_world_size(cpus)} per host"
-                )
-        if not self.single_host and self.store_dir is None:
-            raise ValueError(
-                f"the engines run on {sorted(by_host)}, not only on this machine "
-                f"({self._here}): their rendezvous file must be on a filesystem "
-                "they all share. Pass store_dir='/shared/folder' (or set "
-                "DTLAB_STORE_DIR), the same path on every host"
-            )
-        self._token = secrets.token_hex(8)
-
-    def _store_file(self) -> str:
-        if self.single_host:
-            return os.path.join(self._tmp, f"store-{self.generation}")
-        return os.path.join(
-            self.store_dir, f"dtlab-{self._token}", f"store-{self.generation}"
-        )
-
-    def _local_pids(self) -> dict[int, int]:
-        """Rank -> pid for the engines of this machine (only those can be watched
-        and signalled by pid here)."""
-        here = getattr(self, "_here", None) or os.uname().nodename
-        return {r: p for r, p in self.pids.items() if self.hosts.get(r) == here}
-
     def signal(self, ranks, signum: int) -> None:
         """Send ``signum`` to the engines of ``ranks``: by pid on this machine,
-        through ipyparallel's control channel (which the engine serves even while
-        its code runs) on another."""
-        local = self._local_pids()
-        remote = []
-        for r in ranks:
-            if r in local:
-                try:
-                    os.kill(local[r], signum)
-                except ProcessLookupError:
-                    pass
-            elif r in self.rank_to_engine:
-                remote.append(self.rank_to_engine[r])
-        if remote and self._cluster is not None:
-            # a client of its own: Stop calls this from the notebook's thread while
-            # a run waits on self.client in another, and zmq sockets are not
-            # thread-safe
-            try:
-                client = self._cluster.connect_client_sync()
-            except Exception:  # noqa: BLE001 - the controller is gone: nothing to do
-                return
-            try:
-                client.send_signal(int(signum), targets=remote, block=True)
-            except Exception:  # noqa: BLE001 - a dead engine: the heartbeat says so
-                pass
-            finally:
-                client.close()
+        through ipyparallel's control channel on another."""
+        local = self.local_pids()
+        processes.signal_engines(
+            self.ipp_cluster,
+            [local[r] for r in ranks if r in local],
+            [
+                self.rank_to_engine[r]
+                for r in ranks
+                if r not in local and r in self.rank_to_engine
+            ],
+            signum,
+        )
 
     def _init_world(self, wait: float | None = None) -> None:
         """(Re)create the torch.distributed world on every engine."""
         self.generation += 1
-        store_file = self._store_file()
-        pending = []
-        for rank, eid in self.rank_to_engine.items():
-            # the pids of the engines sharing this rank's host
-            peers = [
-                p for r, p in self.pids.items() if self.hosts[r] == self.hosts[rank]
-            ]
-            pending.append(
-                self.client[eid].apply_async(
-                    _engine.setup,
-                    rank,
-                    self.world_size,
-                    self.backend,
-                    store_file,
-                    self.timeout,
-                    self.devices.get(rank),
-                    self.generation,
-                    peers,
-                    self._board_file(rank),
-                    self.check_collectives,
-                    self.single_host,
-                )
+        store_file = self.store_file()
+        pending = [
+            self.client[eid].apply_async(
+                world.setup,
+                rank,
+                self.world_size,
+                self.backend,
+                store_file,
+                self.timeout,
+                self.placement.devices.get(rank),
+                self.generation,
+                self.placement.peers(rank),
+                self.board_file(rank),
+                self.check_collectives,
+                self.placement.single_host,
             )
-        self._wait(
+            for rank, eid in self.rank_to_engine.items()
+        ]
+        waiting.wait_for_ranks(
+            self,
             pending,
             timeout=wait or self.timeout + 30,
             what="joining the process group",
         )
         for rank, eid in self.rank_to_engine.items():
             self.client[eid].push({"rank": rank}, block=True)
-        self._needs_reset = False
+        self.needs_reset = False
 
     def reset(self, *, check_collectives: bool | None = None) -> LabCluster:
         """A fresh process group on the same engines (after an error or a hang that
@@ -378,7 +254,7 @@ class LabCluster:
         self._require_started()
         if check_collectives is not None:
             self.check_collectives = bool(check_collectives)
-        self._check_alive()
+        waiting.check_alive(self)
         self._init_world()
         return self
 
@@ -389,10 +265,10 @@ class LabCluster:
 
     def stop(self) -> None:
         """Stop the engines and the controller. Safe to call twice."""
-        cluster, self._cluster = self._cluster, None
+        ipp_cluster, self.ipp_cluster = self.ipp_cluster, None
         if self.view is not None:
             try:
-                self.view.apply_async(_engine.teardown).get(timeout=5)
+                self.view.apply_async(world.teardown).get(timeout=5)
             except Exception:  # noqa: BLE001 - stopping anyway
                 pass
         if self.client is not None:
@@ -401,26 +277,24 @@ class LabCluster:
             except Exception:  # noqa: BLE001
                 pass
         self.client = self.view = None
-        if cluster is not None:
+        if ipp_cluster is not None:
             try:
-                cluster.stop_cluster_sync()
+                ipp_cluster.stop_cluster_sync()
             except Exception:  # noqa: BLE001
                 pass
-        for pid in self._local_pids().values():  # whatever the launcher missed
-            _kill(pid)
-        if not self.single_host and self.store_dir and getattr(self, "_token", None):
-            shutil.rmtree(
-                os.path.join(self.store_dir, f"dtlab-{self._token}"), ignore_errors=True
-            )
-        self.pids, self.hosts = {}, {}
-        if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+        for pid in self.local_pids().values():  # whatever the launcher missed
+            processes.kill(pid)
+        if self.placement is not None and not self.placement.single_host:
+            shutil.rmtree(self.rendezvous_folder(), ignore_errors=True)
+        self.placement = None
+        if self.private_dir:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+            self.private_dir = None
         _LIVE.discard(self)
 
     @property
     def running(self) -> bool:
-        return self._cluster is not None and self.client is not None
+        return self.ipp_cluster is not None and self.client is not None
 
     def __enter__(self) -> LabCluster:
         return self if self.running else self.start()
@@ -457,12 +331,12 @@ class LabCluster:
         record = record or on_events is not None
         interval = publish_interval if on_events is not None else 0.0
         for attempt in range(2):
-            if self._needs_reset:
+            if self.needs_reset:
                 self.reset()
             epoch = time.time()  # one time axis for every rank's events
             pending = [
                 self.client[eid].apply_async(
-                    _engine.call, fn, args, kwargs, record, interval, epoch
+                    call.call, fn, args, kwargs, record, interval, epoch
                 )
                 for _, eid in sorted(self.rank_to_engine.items())
             ]
@@ -475,21 +349,22 @@ class LabCluster:
                     on_events(batch)
 
             try:
-                out = self._wait(
+                out = waiting.wait_for_ranks(
+                    self,
                     pending,
                     timeout=timeout or self.call_timeout,
                     what=getattr(fn, "__name__", "the function"),
                     on_events=live,
                 )
                 break
-            except _WorldDown:
+            except WorldDown:
                 # a %%px cell failed on some rank and took the group down: nothing
                 # of fn ran yet, so reset and run it once more
-                self._needs_reset = True
+                self.needs_reset = True
                 if attempt:
                     raise
             except BaseException:
-                self._needs_reset = True
+                self.needs_reset = True
                 raise
         values = [v for v, _ in out]
         if record:
@@ -514,9 +389,10 @@ class LabCluster:
     def health(self) -> list[dict]:
         """Each rank's view of itself: pid, process group up, broken reason."""
         self._require_started()
-        return self._wait(
+        return waiting.wait_for_ranks(
+            self,
             [
-                self.client[eid].apply_async(_engine.health)
+                self.client[eid].apply_async(world.health)
                 for _, eid in sorted(self.rank_to_engine.items())
             ],
             timeout=10,
@@ -528,235 +404,13 @@ class LabCluster:
         float32, group dp) for 2.1s"``), read from the status file each engine
         keeps, so it answers while ranks are stuck, and names a dead rank's last
         collective. Costs no engine time."""
-        if self._tmp is None:
+        if self.private_dir is None:
             return {}
         now = time.time()
         return {
-            r: _engine.describe_board(_engine.read_board(self._board_file(r)), now)
+            r: failures.describe_board(failures.read_board(self.board_file(r)), now)
             for r in sorted(self.rank_to_engine)
         }
-
-    def _board_file(self, rank: int) -> str | None:
-        if self._tmp is None or self.engines != "local" or self.profile_dir:
-            return None  # engines elsewhere cannot write into this machine's files
-        return os.path.join(self._tmp, f"board-{rank}")
-
-    def _doing_lines(self, ranks=None) -> str:
-        doing = self.doing()
-        lines = [
-            f"  rank {r} was {d}"
-            for r, d in doing.items()
-            if (ranks is None or r in ranks) and not d.startswith("unknown")
-        ]
-        return ("\n" + "\n".join(lines)) if lines else ""
-
-    # ---- waiting, with failures turned into clear errors -----------------------
-    def _wait(self, pending, *, timeout, what, on_events=None):
-        import ipyparallel as ipp
-
-        deadline = time.monotonic() + timeout
-        seen: list[set] = [set() for _ in pending]
-        next_check = 0.0
-        try:
-            while True:
-                if on_events is not None:
-                    self._drain(pending, seen, on_events)
-                if all(ar.ready() for ar in pending):
-                    break
-                now = time.monotonic()
-                if now >= next_check:
-                    self._check_alive()
-                    next_check = now + 0.25
-                    # a failed rank means the rest will fail fast; keep waiting
-                if now > deadline:
-                    busy = [r for r, ar in enumerate(pending) if not ar.ready()]
-                    doing = self._doing_lines()  # before the interrupt changes it
-                    self._interrupt(busy)
-                    still = self._settle(pending)
-                    raise TimeoutError(
-                        f"{what} did not finish within {timeout:.0f}s on ranks {busy}; "
-                        f"they were interrupted.{doing}\n"
-                        + self._after_interrupt(still)
-                    )
-                waiting = next((ar for ar in pending if not ar.ready()), None)
-                if waiting is not None:
-                    waiting.wait(0.02)
-        except KeyboardInterrupt:
-            # the notebook's Stop button: stop the ranks too, and say where they were
-            busy = [r for r, ar in enumerate(pending) if not ar.ready()]
-            doing = self._doing_lines()
-            self._interrupt(busy)
-            still = self._settle(pending)
-            raise KeyboardInterrupt(
-                f"{what} was interrupted; ranks {busy} were stopped.{doing}\n"
-                + self._after_interrupt(still)
-            ) from None
-        if on_events is not None:
-            self._drain(pending, seen, on_events)
-        errors = []
-        results = []
-        for rank, ar in enumerate(pending):
-            try:
-                results.append(ar.get(timeout=0))
-            except ipp.error.RemoteError as exc:
-                errors.append((rank, exc))
-            except ipp.error.EngineError as exc:
-                self._check_alive(wait=2.0)  # names the signal, when it can
-                self._needs_reset = True
-                raise EngineDied(
-                    f"rank {rank}'s engine died during {what}: {exc}; "
-                    f"{self._how_it_ended(rank)}; call cluster.restart()"
-                ) from None
-        if errors and any(
-            getattr(exc, "ename", "") == "EngineError" for _, exc in errors
-        ):
-            # ipyparallel noticed a dead engine before our liveness check did:
-            # name the engine and how it ended (its signal) rather than the
-            # stranded task; ranks whose process is still alive are reported too
-            self._check_alive(wait=2.0)
-            rank = next(r for r, exc in errors if exc.ename == "EngineError")
-            self._needs_reset = True
-            raise EngineDied(
-                f"rank {rank}'s engine died during {what}: "
-                f"{self._how_it_ended(rank)}; call cluster.restart()"
-                f"{self._doing_lines()}"
-            )
-        if errors:
-            if all(_engine.NO_GROUP in str(exc.evalue) for _, exc in errors):
-                raise _WorldDown(self._rank_error(errors, what))
-            raise self._rank_error(errors, what)
-        return results
-
-    def _settle(self, pending, seconds: float = 10.0) -> list[int]:
-        """After interrupting: give the ranks a moment to unwind (one stuck in a
-        collective gets out when its interrupted peers close their connections);
-        return the ranks still busy."""
-        deadline = time.monotonic() + seconds
-        try:
-            while time.monotonic() < deadline:
-                if all(ar.ready() for ar in pending):
-                    break
-                if any(not _alive(pid) for pid in self._local_pids().values()):
-                    break
-                next(ar for ar in pending if not ar.ready()).wait(0.05)
-        except KeyboardInterrupt:  # pressed Stop again: stop waiting
-            pass
-        return [r for r, ar in enumerate(pending) if not ar.ready()]
-
-    def _after_interrupt(self, still: list[int]) -> str:
-        dead = [r for r, pid in self._local_pids().items() if not _alive(pid)]
-        if dead:
-            return f"the engines of ranks {dead} are gone: call cluster.restart()"
-        if still:
-            return (
-                f"ranks {still} are still busy (code inside a collective or another "
-                "C call does not stop on an interrupt; a collective ends at the "
-                f"group's timeout, {self.timeout:.0f}s): wait and run again, or call "
-                "cluster.restart()"
-            )
-        return "every rank is free again: the next run resets the process group"
-
-    def _drain(self, pending, seen, on_events):
-        """Hand newly published telemetry batches to ``on_events(rank, batch)``
-        (each batch is published under its own key because the client keeps only
-        the latest value per key)."""
-        for rank, ar in enumerate(pending):
-            data = ar.data
-            if not data:
-                continue
-            for key in sorted(k for k in data if k not in seen[rank]):
-                seen[rank].add(key)
-                on_events(rank, data[key])
-
-    @staticmethod
-    def _rank_error(errors, what) -> RankError:
-        failures = []
-        for rank, exc in errors:
-            text = _ANSI.sub("", f"{exc.evalue}")
-            # dtlab.lab.engine.call prefixes its failures with the wall-clock time
-            # and what the rank was doing: "@t<TAB>doing<TAB>error"
-            m = re.match(r"@(\d+\.\d+)\t([^\t\n]*)\t(.*)", text, re.S)
-            if m:
-                t_fail, doing, body = float(m.group(1)), m.group(2), m.group(3)
-            else:
-                t_fail, doing, body = float("inf"), "", text
-            message, _, tb = body.partition("\n")
-            if not tb:
-                tb = exc.traceback or ""
-                tb = _ANSI.sub("", tb if isinstance(tb, str) else "\n".join(tb))
-            failures.append((rank, message, tb, t_fail, doing))
-        return rank_error(failures, what)
-
-    def _check_alive(self, wait: float = 0.0) -> None:
-        """Raise EngineDied if an engine process is gone; ``wait`` seconds for a
-        process that ipyparallel already reported dead to finish exiting."""
-        deadline = time.monotonic() + wait
-        local = self._local_pids()  # another host's engines: ipyparallel's heartbeat
-        dead = [r for r, pid in local.items() if not _alive(pid)]
-        while not dead and time.monotonic() < deadline:
-            time.sleep(0.05)
-            dead = [r for r, pid in local.items() if not _alive(pid)]
-        if dead:
-            self._needs_reset = True
-            how = "".join(
-                f"\n  rank {r} (pid {self.pids[r]}) {self._exit_reason(self.pids[r])}"
-                for r in dead
-            )
-            raise EngineDied(
-                f"engine of rank{'s' if len(dead) > 1 else ''} "
-                f"{', '.join(map(str, dead))} (pid "
-                f"{', '.join(str(self.pids[r]) for r in dead)}) is gone; "
-                f"call cluster.restart() for new engines{how}{self._doing_lines()}"
-            )
-
-    def _how_it_ended(self, rank: int) -> str:
-        if rank in self._local_pids():
-            return self._exit_reason(self.pids[rank])
-        return (
-            f"it ran on {self.hosts.get(rank, 'another host')} and stopped answering "
-            "ipyparallel's heartbeat (its engine log there says why)"
-        )
-
-    def _exit_reason(self, pid: int, wait: float = 1.0) -> str:
-        """How an engine ended, from its launcher (local engines only)."""
-        deadline = time.monotonic() + wait
-        while True:
-            code = None
-            for engine_set in getattr(self._cluster, "engines", {}).values():
-                for launcher in getattr(engine_set, "launchers", {}).values():
-                    proc = getattr(launcher, "process", None)
-                    if getattr(proc, "pid", None) != pid:
-                        continue
-                    # the launcher's thread waits on the process; psutil keeps
-                    # the exit code it reaped
-                    code = getattr(proc, "_exitcode", None)
-                    if not isinstance(code, int):
-                        data = getattr(launcher, "stop_data", None) or {}
-                        code = data.get("exit_code")
-            if code is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        if code is None:
-            return "ended"
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            hint = {
-                "SIGABRT": " (gloo aborts a process whose collective got a "
-                "different size from a peer: ranks called mismatched collectives; "
-                "LabCluster(check_collectives=True) turns that into a clean error)",
-                "SIGKILL": " (killed: out of memory, or by hand)",
-            }.get(name, "")
-            return f"was killed by {name}{hint}"
-        return f"exited with code {code}"
-
-    def _interrupt(self, ranks) -> None:
-        """SIGINT the engines of ``ranks``: Python code on them raises
-        KeyboardInterrupt, their process group is torn down, peers fail fast."""
-        self.signal(ranks, signal.SIGINT)
-        self._needs_reset = True
 
     def _require_started(self) -> None:
         if not self.running:
@@ -786,26 +440,6 @@ def _ship_by_value(fn) -> None:
     try:
         cloudpickle.register_pickle_by_value(module)
     except ValueError:  # already registered
-        pass
-
-
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _kill(pid: int) -> None:
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        proc.kill()
-        proc.wait(timeout=5)
-    except (psutil.NoSuchProcess, psutil.TimeoutExpired):
         pass
 
 
@@ -845,6 +479,7 @@ def start(world_size: int | None = None, **kwargs) -> LabCluster:
 
 
 def stop_all() -> None:
+    """Stop every cluster this process started (also registered to run at exit)."""
     for cluster in list(_LIVE):
         cluster.stop()
 

@@ -18,36 +18,48 @@ from __future__ import annotations
 import html
 import traceback
 
-import ipywidgets as W
 import plotly.graph_objects as go
+from ipywidgets import (
+    HTML,
+    Button,
+    Checkbox,
+    Dropdown,
+    FloatSlider,
+    FloatText,
+    HBox,
+    IntText,
+    Output,
+    VBox,
+)
 from plotly.subplots import make_subplots
 
-from dtlab import estimate as est
+from dtlab import estimate
+from dtlab.events import PRECISIONS
+from dtlab.lab.figures.base import MEMORY_COLORS
+from dtlab.lab.figures.live import LiveFigure
 
-__all__ = ["PlannerPanel", "plan_figure", "plan_table_html", "CATEGORY_COLORS"]
+__all__ = ["PlannerPanel", "plan_figure", "plan_table_html"]
 
-CATEGORY_COLORS = {
-    "params": "#4c78a8",
-    "grads": "#f58518",
-    "optimizer": "#54a24b",
-    "activations": "#e45756",
-}
+PLAN_CATEGORIES = ("params", "grads", "optimizer", "activations")  # a PlanRow's
 TIME_COLORS = {"compute_s": "#4c78a8", "comm_s": "#f58518", "bubble_s": "#bab0ac"}
 CUSTOM = "custom"
+SHAPE = ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")  # a model's
 # the widgets :meth:`PlannerPanel.update` may set, by name
 SETTINGS = (
-    "model", "n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "gpu_GB",
-    "tflops", "n_gpus", "gpus_per_node", "intra_GBps", "inter_GBps", "global_batch",
-    "precision", "mfu", "offload", "context_parallel", "expert_parallel",
-)  # fmt: skip
+    "model",
+    *SHAPE,
+    *("gpu_GB", "tflops", "n_gpus", "gpus_per_node", "intra_GBps", "inter_GBps"),
+    *("global_batch", "precision", "mfu", "offload"),
+    *("context_parallel", "expert_parallel"),
+)
 
 
-def _label(row: est.PlanRow) -> str:
+def _label(row: estimate.PlanRow) -> str:
     knobs = f"Z{row.zero_stage} b{row.micro_batch_size} {row.checkpointing[:3]}"
     return f"{row.layout}<br>{knobs}"
 
 
-def plan_figure(plan: est.Plan, n: int = 8, title: str | None = None) -> go.Figure:
+def plan_figure(plan: estimate.Plan, n: int = 8, title: str | None = None) -> go.Figure:
     """The ``n`` fastest layouts that fit: bytes per device by category (stacked,
     with the usable memory as a line) and the step time split into compute,
     exposed communication and pipeline bubble."""
@@ -59,11 +71,12 @@ def plan_figure(plan: est.Plan, n: int = 8, title: str | None = None) -> go.Figu
         horizontal_spacing=0.12,
     )
     labels = [_label(r) for r in rows]
-    for cat, color in CATEGORY_COLORS.items():
+    for cat in PLAN_CATEGORIES:
+        color = MEMORY_COLORS[cat]
         fig.add_trace(
             go.Bar(
                 x=labels,
-                y=[r.memory[cat] / est.GB for r in rows],
+                y=[r.memory[cat] / estimate.GB for r in rows],
                 name=cat,
                 marker_color=color,
                 legendgroup="memory",
@@ -98,7 +111,7 @@ def plan_figure(plan: est.Plan, n: int = 8, title: str | None = None) -> go.Figu
     return fig
 
 
-def plan_table_html(plan: est.Plan, n: int = 8, n_rejected: int = 4) -> str:
+def plan_table_html(plan: estimate.Plan, n: int = 8, n_rejected: int = 4) -> str:
     """The fastest layouts as an HTML table, then a few rejected ones and why."""
     cols = ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "m", "checkpointing")
     nums = ("total_GB", "step_s", "compute_s", "comm_s", "bubble_s", "mfu")
@@ -140,53 +153,70 @@ class PlannerPanel:
         offload: bool = False,
         n_rows: int = 8,
     ):
-        base = est.GPUS[gpu]
-        names = [*est.MODELS, *est.MOE_MODELS, CUSTOM]
+        base = estimate.GPUS[gpu]
+        names = [*estimate.MODELS, *estimate.MOE_MODELS, CUSTOM]
         s = dict(style={"description_width": "initial"})
         self.n_rows = n_rows
-        self.model = W.Dropdown(options=names, value=model, description="model", **s)
-        first = est.model_spec(model if model != CUSTOM else "7B")
-        self.n_layers = W.IntText(first.n_layers, description="layers", **s)
-        self.d_model = W.IntText(first.d_model, description="hidden", **s)
-        self.n_heads = W.IntText(first.n_heads, description="heads", **s)
-        self.vocab_size = W.IntText(first.vocab_size, description="vocab", **s)
-        self.seq_len = W.IntText(first.seq_len, description="sequence", **s)
-        self.gpu_GB = W.FloatText(base.memory_bytes / est.GB, description="GPU GB", **s)
-        self.tflops = W.FloatText(base.peak_bf16_flops / 1e12, description="TFLOP/s")
-        self.n_gpus = W.IntText(n_gpus, description="GPUs", **s)
-        self.gpus_per_node = W.IntText(gpus_per_node, description="per node", **s)
-        self.intra_GBps = W.FloatText(450.0, description="intra GB/s", **s)
-        self.inter_GBps = W.FloatText(50.0, description="inter GB/s", **s)
-        self.global_batch = W.IntText(global_batch, description="global batch", **s)
-        self.precision = W.Dropdown(
-            options=["bf16", "fp16", "fp32", "pure_bf16"],
+        self.model = Dropdown(options=names, value=model, description="model", **s)
+        first = estimate.model_spec(model if model != CUSTOM else "7B")
+        self.n_layers = IntText(first.n_layers, description="layers", **s)
+        self.d_model = IntText(first.d_model, description="hidden", **s)
+        self.n_heads = IntText(first.n_heads, description="heads", **s)
+        self.vocab_size = IntText(first.vocab_size, description="vocab", **s)
+        self.seq_len = IntText(first.seq_len, description="sequence", **s)
+        self.gpu_GB = FloatText(
+            base.memory_bytes / estimate.GB, description="GPU GB", **s
+        )
+        self.tflops = FloatText(base.peak_bf16_flops / 1e12, description="TFLOP/s")
+        self.n_gpus = IntText(n_gpus, description="GPUs", **s)
+        self.gpus_per_node = IntText(gpus_per_node, description="per node", **s)
+        self.intra_GBps = FloatText(450.0, description="intra GB/s", **s)
+        self.inter_GBps = FloatText(50.0, description="inter GB/s", **s)
+        self.global_batch = IntText(global_batch, description="global batch", **s)
+        self.precision = Dropdown(
+            options=[*PRECISIONS, "pure_bf16"],  # pure_bf16: no fp32 master copy
             value=precision,
             description="precision",
             **s,
         )
-        self.mfu = W.FloatSlider(
+        self.mfu = FloatSlider(
             value=mfu, min=0.1, max=0.9, step=0.05, description="MFU", **s
         )
-        self.offload = W.Checkbox(value=offload, description="ZeRO-Offload")
-        self.context_parallel = W.Checkbox(value=False, description="try cp")
-        self.expert_parallel = W.Checkbox(value=False, description="try ep")
-        self.button = W.Button(description="Plan", button_style="primary")
-        self.output = W.Output()
-        self.table = W.HTML()
-        self.figure = go.FigureWidget(plan_figure(est.Plan([], [], _EMPTY)))
-        self.plan: est.Plan | None = None
+        self.offload = Checkbox(value=offload, description="ZeRO-Offload")
+        self.context_parallel = Checkbox(value=False, description="try cp")
+        self.expert_parallel = Checkbox(value=False, description="try ep")
+        self.button = Button(description="Plan", button_style="primary")
+        self.output = Output()
+        self.table = HTML()
+        self.live = LiveFigure(figure=plan_figure(estimate.Plan([], [], _EMPTY)))
+        self.figure = self.live.widget
+        self.plan: estimate.Plan | None = None
         self.model.observe(self._on_model, names="value")
         self.button.on_click(lambda _: self._safe_update())
-        custom = W.HBox([self.n_layers, self.d_model, self.n_heads, self.vocab_size,
-                         self.seq_len])  # fmt: skip
-        hardware = W.HBox([self.gpu_GB, self.tflops, self.n_gpus, self.gpus_per_node])
-        network = W.HBox([self.intra_GBps, self.inter_GBps, self.global_batch])
-        knobs = W.HBox([self.precision, self.mfu, self.offload,
-                        self.context_parallel, self.expert_parallel])  # fmt: skip
-        self.widget = W.VBox(
-            [W.HBox([self.model, self.button]), custom, hardware, network, knobs,
-             self.figure, self.table, self.output]
-        )  # fmt: skip
+        custom = HBox([getattr(self, name) for name in SHAPE])
+        hardware = HBox([self.gpu_GB, self.tflops, self.n_gpus, self.gpus_per_node])
+        network = HBox([self.intra_GBps, self.inter_GBps, self.global_batch])
+        knobs = HBox(
+            [
+                self.precision,
+                self.mfu,
+                self.offload,
+                self.context_parallel,
+                self.expert_parallel,
+            ]
+        )
+        self.widget = VBox(
+            [
+                HBox([self.model, self.button]),
+                custom,
+                hardware,
+                network,
+                knobs,
+                self.figure,
+                self.table,
+                self.output,
+            ]
+        )
         self.update()
 
     def _ipython_display_(self):
@@ -198,20 +228,17 @@ class PlannerPanel:
     def _on_model(self, change) -> None:
         if change["new"] == CUSTOM:
             return
-        spec = est.model_spec(change["new"])
-        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len"):
+        spec = estimate.model_spec(change["new"])
+        for name in SHAPE:
             getattr(self, name).value = getattr(spec, name)
 
-    def spec(self) -> est.ModelPreset:
+    def spec(self) -> estimate.ModelPreset:
         """The model as the widgets describe it: a preset, with its sequence length
         (and, for ``custom``, its shape) taken from the boxes."""
-        shape = {
-            name: getattr(self, name).value
-            for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
-        }
+        shape = {name: getattr(self, name).value for name in SHAPE}
         if self.model.value == CUSTOM:
-            return est.model_spec(shape)
-        spec = est.model_spec(self.model.value)
+            return estimate.model_spec(shape)
+        spec = estimate.model_spec(self.model.value)
         changed = {k: v for k, v in shape.items() if getattr(spec, k) != v}
         if not changed:
             return spec
@@ -222,22 +249,23 @@ class PlannerPanel:
 
     def settings(self) -> dict:
         """The keyword arguments :func:`dtlab.estimate.plan` gets."""
-        gpu = est.GPU(
+        gpu = estimate.GPU(
             f"{self.gpu_GB.value:g} GB GPU",
-            self.gpu_GB.value * est.GB,
+            self.gpu_GB.value * estimate.GB,
             self.tflops.value * 1e12,
             0.0,
             0.0,
         )
-        link = lambda name, gbps, alpha: est.Link(name, gbps * est.GB, alpha)  # noqa: E731
-        cluster = est.ClusterSpec(
+        # the boxes set each link's bandwidth; its latency stays the preset's
+        intra, inter = estimate.LINKS["nvlink"], estimate.LINKS["infiniband"]
+        cluster = estimate.ClusterSpec(
             self.n_gpus.value,
             gpus_per_node=self.gpus_per_node.value,
-            intra=link(
-                "intra-node", self.intra_GBps.value, est.LINKS["nvlink"].alpha_s
+            intra=estimate.Link(
+                "intra-node", self.intra_GBps.value * estimate.GB, intra.alpha_s
             ),
-            inter=link(
-                "inter-node", self.inter_GBps.value, est.LINKS["infiniband"].alpha_s
+            inter=estimate.Link(
+                "inter-node", self.inter_GBps.value * estimate.GB, inter.alpha_s
             ),
         )
         return dict(
@@ -252,7 +280,7 @@ class PlannerPanel:
         )
 
     # ---- recomputing -------------------------------------------------------------
-    def update(self, **changes) -> est.Plan:
+    def update(self, **changes) -> estimate.Plan:
         """Set widgets by name (``n_gpus=16``, ``inter_GBps=12.5``,
         ``model="405B"``...), recompute, redraw; returns the plan. Raises
         ``ValueError`` for a name that is not a widget of the panel."""
@@ -263,12 +291,8 @@ class PlannerPanel:
                     f"{list(SETTINGS)}"
                 )
             getattr(self, name).value = value
-        self.plan = est.plan(self.spec(), **self.settings())
-        new = plan_figure(self.plan, self.n_rows)
-        with self.figure.batch_update():
-            self.figure.data = []
-            self.figure.add_traces(list(new.data))
-            self.figure.layout = new.layout
+        self.plan = estimate.plan(self.spec(), **self.settings())
+        self.live.draw(plan_figure(self.plan, self.n_rows))
         self.table.value = plan_table_html(self.plan, self.n_rows)
         return self.plan
 

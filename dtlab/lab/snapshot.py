@@ -2,8 +2,8 @@
 
 Makes the README picture (``docs/dashboard.png``): start a 4-engine CPU cluster,
 train a small GPT under a 3D layout (``--layout tp2·pp2`` by default) and draw
-chapter 07's live dashboard (:mod:`dtlab.lab.dashboard`) as it stands at the end of
-the run: loss, memory per rank next to ``estimate.layout_memory``, the pipeline
+chapter 07's live dashboard (:mod:`dtlab.lab.figures.dashboard`) as it stands at the
+end of the run: loss, memory per rank next to ``estimate.layout_memory``, the pipeline
 timeline, traffic per step by group and op next to ``estimate.layout_traffic``,
 and the rank × rank traffic matrix.
 
@@ -25,89 +25,45 @@ import os
 import sys
 import time
 
-import torch
+from plotly.subplots import make_subplots
 
-from dtlab import comm, estimate, telemetry
-from dtlab.lab import plots
+from dtlab import estimate, telemetry
+from dtlab.lab.engine.collectives import (
+    collective_mix,
+    data_parallel_steps,
+    ring_matches_all_reduce,
+    sweep_all_reduce,
+)
+from dtlab.lab.figures.collectives import (
+    collective_time_figure,
+    collective_times,
+    summarize_times,
+    traffic_figure,
+)
+from dtlab.lab.figures.export import save_png
+from dtlab.lab.figures.timeline import timeline_figure
 from dtlab.topology import Layout
 
 SIZES = [2**k for k in range(10, 23, 2)]  # 1 KiB .. 4 MiB payloads
 RING_BYTES = 1 << 20  # the ring all-reduce's tensor: 1 MiB of fp32
 
 
-# ---- what every rank runs -------------------------------------------------------
-def sweep_all_reduce(sizes, reps: int):
-    """All-reduce each size ``reps`` times (after one untimed warm-up), a barrier
-    before each so every call starts together and its duration is the op's."""
-    for size in sizes:
-        x = torch.ones(size // 4)  # fp32: size bytes
-        comm.all_reduce(x, tag="warm-up")
-        for _ in range(reps):
-            comm.barrier(tag="sweep")
-            comm.all_reduce(x, tag="sweep")
-
-
-def ring(nbytes: int):
-    """The course's ring all-reduce; returns whether it matched ``dist.all_reduce``."""
-    import torch.distributed as dist
-
-    r = dist.get_rank()
-    x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(r))
-    expected = x.clone()
-    dist.all_reduce(expected)  # torch directly, so the check is not recorded
-    comm.ring_all_reduce(x, tag="ring")
-    # the ring adds in another order than gloo: equal up to fp32 rounding
-    return bool(torch.allclose(x, expected, rtol=1e-5, atol=1e-5))
-
-
-def steps(n_steps: int = 3, width: int = 384):
-    """A data-parallel-like loop: forward and backward spans of real matmuls, then
-    the all-reduce of a gradient-sized buffer."""
-    rec = telemetry.current()
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(width, width, generator=g)
-    x = torch.randn(256, width, generator=g)
-    for step in range(n_steps):
-        rec.step = step
-        with rec.span("F"):
-            h = torch.tanh(x @ w)  # (256, width)
-        with rec.span("B"):
-            grad = x.T @ (1 - h * h)  # (width, width), same size as w
-        comm.all_reduce(grad, tag="grads")
-        with rec.span("opt"):
-            w -= 1e-3 * grad
-
-
-def mix(nbytes: int = 1 << 18):
-    """One of each collective on the same payload."""
-    import torch.distributed as dist
-
-    n = dist.get_world_size()
-    x = torch.ones(nbytes // 4)
-    comm.broadcast(x, src=0)
-    comm.all_reduce(x)
-    shard = torch.empty(x.numel() // n)
-    comm.reduce_scatter(shard, x)
-    comm.all_gather(x, shard)
-
-
-# ---- the notebook side ------------------------------------------------------------
 def collect(cluster, *, reps: int = 5, timeout: float = 120) -> dict:
     """Run everything on ``cluster`` and return the recorded events and numbers."""
     n = cluster.world_size
     cluster.run(sweep_all_reduce, SIZES, reps, record=True, timeout=timeout)
     sweep = cluster.last_events
-    ok = cluster.run(ring, RING_BYTES, record=True, timeout=timeout)
+    ok = cluster.run(ring_matches_all_reduce, RING_BYTES, record=True, timeout=timeout)
     if not all(ok):
         raise AssertionError(f"ring all-reduce differs from dist.all_reduce: {ok}")
     ring_events = cluster.last_events
-    cluster.run(steps, record=True, timeout=timeout)
+    cluster.run(data_parallel_steps, record=True, timeout=timeout)
     step_events = cluster.last_events
-    cluster.run(mix, record=True, timeout=timeout)
+    cluster.run(collective_mix, record=True, timeout=timeout)
     mix_events = cluster.last_events
 
-    sizes, times = plots.collective_times(sweep, "all_reduce", tag="sweep")
-    mid = plots.summarize_times(times)
+    sizes, times = collective_times(sweep, "all_reduce", tag="sweep")
+    mid = summarize_times(times)
     wire = [estimate.wire_bytes("all_reduce", s, n) for s in sizes]
     return {
         "n": n,
@@ -125,8 +81,6 @@ def collect(cluster, *, reps: int = 5, timeout: float = 120) -> dict:
 
 def dashboard(data: dict):
     """The 2x2 figure from :func:`collect`'s output."""
-    from plotly.subplots import make_subplots
-
     n = data["n"]
     ring_pred = estimate.wire_bytes("all_reduce", RING_BYTES, n)
     fig = make_subplots(
@@ -143,8 +97,8 @@ def dashboard(data: dict):
         vertical_spacing=0.14,
     )
     sends = telemetry.comm_events(data["ring_events"], op="send")
-    plots.traffic_figure(sends, predicted=ring_pred, key="op", fig=fig, row=1, col=1)
-    plots.collective_time_figure(
+    traffic_figure(sends, predicted=ring_pred, key="op", fig=fig, row=1, col=1)
+    collective_time_figure(
         data["sizes"],
         data["times"],
         data["fit"],
@@ -155,8 +109,8 @@ def dashboard(data: dict):
         row=1,
         col=2,
     )
-    plots.timeline_figure(data["step_events"], fig=fig, row=2, col=1)
-    plots.traffic_figure(data["mix_events"], key="op", fig=fig, row=2, col=2)
+    timeline_figure(data["step_events"], fig=fig, row=2, col=1)
+    traffic_figure(data["mix_events"], key="op", fig=fig, row=2, col=2)
     fig.update_layout(
         height=900,
         width=1500,
@@ -194,7 +148,7 @@ def parse_layout(text: str) -> Layout:
 def train_3d(cluster, layout: Layout, *, steps: int = 6, timeout: float = 300):
     """Train the snapshot's GPT under ``layout`` with the live dashboard attached;
     return ``(dashboard, run)``."""
-    from dtlab.lab.dashboard import Dashboard
+    from dtlab.lab.figures.dashboard import Dashboard
     from dtlab.lab.training import start_run
     from dtlab.model import GPTConfig
     from dtlab.train import TrainConfig
@@ -256,7 +210,7 @@ def main(argv=None) -> int:
     )
     fig = board.figure()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    plots.save_png(fig, args.out)
+    save_png(fig, args.out)
     print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -279,7 +233,7 @@ def _main_collectives(args) -> int:
         f"{data['busbw'][-1] / 1e9:.2f} GB/s"
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    plots.save_png(dashboard(data), args.out)
+    save_png(dashboard(data), args.out)
     print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")
     return 0
 

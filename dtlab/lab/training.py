@@ -10,10 +10,11 @@ Taught in chapter 02; every later chapter trains through it.
     run.records[2][-1]            # rank 2's last record
     run.events                    # every telemetry event of the run, all ranks
 
-``dtlab.train.train`` runs on every engine through ``cluster.run``; each rank
-emits a telemetry event of kind ``"step"`` per step, which reaches the notebook
-while the run goes on (ipyparallel's data publication) and is handed to the live
-figure and to ``on_records``.
+:class:`dtlab.train.Trainer` runs on every engine through ``cluster.run``
+(:func:`dtlab.lab.engine.training.train_rank`); each rank emits a telemetry event
+of kind ``"step"`` per step, which reaches the notebook while the run goes on
+(ipyparallel's data publication) and is handed to the live figure and to
+``on_records``.
 
 Chapter 07's control panel needs a run that does not block the kernel and can be
 stopped: :func:`start_run` trains in a background thread and returns a
@@ -29,7 +30,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dtlab.train import TrainConfig, Trainer, default_device
+from dtlab.events import Kind
+from dtlab.lab.engine.training import train_rank, train_rank_stoppable
+from dtlab.train import TrainConfig
 
 
 @dataclass
@@ -48,11 +51,6 @@ class TrainRun:
     def losses(self) -> list[float]:
         """The global-batch loss per step (every rank computes the same numbers)."""
         return [rec["loss"] for rec in self.records[0]]
-
-
-def _train_on_engine(config: TrainConfig) -> list[dict]:
-    """Runs on each engine (see :func:`_engine_topology`)."""
-    return Trainer(config, _engine_topology(config)).fit()
 
 
 def train(
@@ -77,15 +75,14 @@ def train(
     config.check(cluster.world_size)  # fail here, before any engine starts
     figure = None
     if live:
-        from dtlab.lab import plots
+        from dtlab.lab.figures.data_parallel import loss_figure
+        from dtlab.lab.figures.live import LiveFigure
 
-        figure = plots.LiveFigure(
-            plots.loss_figure, min_interval=0.2, reference=reference
-        )
+        figure = LiveFigure(loss_figure, min_interval=0.2, reference=reference)
         _display(figure.widget)
 
     def on_events(batch):
-        steps = [e for e in batch if e.get("kind") == "step"]
+        steps = [e for e in batch if e.get("kind") == Kind.STEP]
         if not steps:
             return
         if figure is not None:
@@ -95,7 +92,7 @@ def train(
 
     streaming = live or on_records is not None
     records = cluster.run(
-        _train_on_engine,
+        train_rank,
         config,
         timeout=timeout,
         record=True,
@@ -123,94 +120,11 @@ def _display(widget) -> None:
 # The notebook's Run button must not block the kernel: the kernel has to stay free to
 # process the Stop click (and to redraw the live figures). So the run's
 # ``cluster.run`` call waits in a background thread of the kernel, and Stop reaches
-# the engines by a signal:
-#
-# 1. each engine trains one step at a time (``Trainer.fit(1)``); a SIGUSR1 handler,
-#    installed on the engine's main thread, only sets a flag;
-# 2. after every step the ranks agree with a 1-element all-reduce (MAX) of their
-#    flags, tagged ``"control"``: a stop seen by any rank is seen by all, so every
-#    rank leaves the loop after the *same* step, with no collective left half done;
-# 3. a rank announces (telemetry event ``kind="control", what="ready"``) once its
-#    handler is in place: until then the notebook holds the signal back, because a
-#    SIGUSR1 with no handler would end the engine process.
-#
-# If the ranks do not stop within a bound (a rank stuck inside a step), Stop falls
-# back to the cluster's interrupt (SIGINT): the run ends with an error on every rank
-# and the next run resets the process group by itself.
-
-_STOP = {"requested": False, "installed": False}  # on each engine
-
-
-def _on_stop_signal(signum, frame) -> None:
-    _STOP["requested"] = True  # all a signal handler should do: the loop decides
-
-
-def _install_stop_handler() -> bool:
-    """Install the SIGUSR1 handler (once per engine; it stays installed, so a signal
-    that arrives just after a run ended sets a flag instead of killing the engine)
-    and clear any old request. Returns whether the handler is in place: Python only
-    installs handlers from the main thread."""
-    import signal
-    import threading
-
-    if not _STOP["installed"]:
-        if threading.current_thread() is not threading.main_thread():
-            return False
-        signal.signal(signal.SIGUSR1, _on_stop_signal)
-        # restart interrupted system calls: a gloo socket read in progress must not
-        # fail with EINTR because Stop was pressed
-        signal.siginterrupt(signal.SIGUSR1, False)
-        _STOP["installed"] = True
-    _STOP["requested"] = False
-    return True
-
-
-def _engine_topology(config: TrainConfig):
-    """The topology the engine made at start (the one ``%%px`` cells see) when its
-    layout fits, so that run after run does not pile up new process groups."""
-    import torch.distributed as dist
-
-    from dtlab.lab import engine
-
-    topo = engine._user_ns().get("topo")
-    layout = config.resolve_layout(dist.get_world_size())
-    if topo is None or getattr(topo, "released", False) or topo.layout != layout:
-        return None
-    return topo
-
-
-def _train_stoppable_on_engine(config: TrainConfig, pace: float = 0.0) -> dict:
-    """Runs on each engine: ``config.steps`` steps, one ``fit(1)`` at a time, leaving
-    after the first step at which any rank saw a stop request."""
-    import os
-    import time
-
-    import torch
-
-    from dtlab import comm, telemetry
-
-    rec = telemetry.current()
-    stoppable = _install_stop_handler()
-    rec.emit("control", what="ready" if stoppable else "unstoppable", pid=os.getpid())
-    rec.flush()  # the notebook learns now, not at the next publication
-    trainer = Trainer(config, _engine_topology(config))
-    device = default_device()  # a device tensor for nccl's all-reduce
-    stopped_at = None
-    for step in range(config.steps):
-        trainer.fit(1)
-        if step == config.steps - 1:
-            break  # the last step: nothing left to stop
-        if pace > 0:
-            time.sleep(pace)  # a watchable run: the dashboard has time to redraw
-        flag = torch.tensor([1.0 if _STOP["requested"] else 0.0], device=device)
-        # one rank's request is every rank's: all leave after the same step
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX, tag="control")
-        if flag.item() > 0:
-            stopped_at = step
-            rec.emit("control", what="stopped", at_step=step)
-            break
-    _STOP["requested"] = False
-    return {"records": trainer.records, "stopped_at": stopped_at, "t_end": time.time()}
+# the engines by a signal (SIGUSR1), on which every rank leaves after the same step
+# (dtlab.lab.engine.training.train_rank_stoppable says how). If the ranks do not
+# stop within a bound (a rank stuck inside a step), Stop falls back to the
+# cluster's interrupt (SIGINT): the run ends with an error on every rank and the
+# next run resets the process group by itself.
 
 
 class LiveRun:
@@ -222,8 +136,9 @@ class LiveRun:
     ``tokens_per_s`` follow the newest record.
     """
 
-    def __init__(self, cluster, config, *, on_events, on_done, pace, timeout,
-                 publish_interval):  # fmt: skip
+    def __init__(
+        self, cluster, config, *, on_events, on_done, pace, timeout, publish_interval
+    ):
         import threading
 
         self.cluster = cluster
@@ -257,7 +172,7 @@ class LiveRun:
         self.t_start = time.time()
         try:
             out = self.cluster.run(
-                _train_stoppable_on_engine,
+                train_rank_stoppable,
                 self.config,
                 self.pace,
                 timeout=self.timeout,
@@ -291,13 +206,13 @@ class LiveRun:
     def _events(self, batch) -> None:
         for e in batch:
             kind = e.get("kind")
-            if kind == "control" and e.get("what") == "ready":
+            if kind == Kind.CONTROL and e.get("what") == "ready":
                 with self._lock:
                     self._ready.add(e["rank"])
                     late = self.stop_requested  # Stop came before this rank was ready
                 if late:
                     self._signal([e["rank"]])
-            elif kind == "step" and e["step"] >= self.step:
+            elif kind == Kind.STEP and e["step"] >= self.step:
                 self.step = e["step"]
                 self.loss = e.get("loss", self.loss)
                 t = e.get("time_s") or 0.0
@@ -387,7 +302,14 @@ def start_run(
     if pace < 0:
         raise ValueError(f"pace must be >= 0 seconds between steps, got {pace}")
     config.check(cluster.world_size)  # fail here, before any engine starts
-    run = LiveRun(cluster, config, on_events=on_events, on_done=on_done, pace=pace,
-                  timeout=timeout, publish_interval=publish_interval)  # fmt: skip
+    run = LiveRun(
+        cluster,
+        config,
+        on_events=on_events,
+        on_done=on_done,
+        pace=pace,
+        timeout=timeout,
+        publish_interval=publish_interval,
+    )
     run._thread.start()
     return run

@@ -25,25 +25,34 @@ from __future__ import annotations
 
 import traceback
 
-import ipywidgets as W
+from ipywidgets import (
+    HTML,
+    BoundedIntText,
+    Button,
+    Dropdown,
+    HBox,
+    IntProgress,
+    Output,
+    ToggleButtons,
+    VBox,
+    Widget,
+)
 
-from dtlab.lab import dashboard as _dashboard
+from dtlab.checks import divisors, positive_int
+from dtlab.events import CHECKPOINTING, PRECISIONS, SCHEDULES, STRATEGIES
 from dtlab.lab import training
+from dtlab.lab.figures.dashboard import Dashboard
 from dtlab.model import GPTConfig
-from dtlab.topology import Layout, divisors
-from dtlab.train import CHECKPOINTING, PIPELINE_SCHEDULES, PRECISIONS, TrainConfig
+from dtlab.topology import Layout
+from dtlab.train import TrainConfig
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")  # the data-parallel flavours
 DEFAULT_MODEL = GPTConfig(vocab_size=64, seq_len=32, n_layers=4, n_heads=4, d_model=64)
 
 
 def factorisations(world_size: int) -> list[Layout]:
     """Every ``Layout(dp, tp, pp)`` whose product is ``world_size``, ordered by tp,
     then pp (the order the picker lists them)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size}")
+    positive_int("world_size", world_size)
     return [
         Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
         for tp in divisors(world_size)
@@ -86,7 +95,7 @@ class ControlPanel:
         *,
         base: TrainConfig | None = None,
         world_sizes=(1, 2, 4, 8),
-        dashboard: _dashboard.Dashboard | None = None,
+        dashboard: Dashboard | None = None,
         pace: float = 0.0,
         timeout: float = 600.0,
         stop_timeout: float = 20.0,
@@ -96,7 +105,7 @@ class ControlPanel:
         self.pace = pace
         self.timeout = timeout
         self.stop_timeout = stop_timeout
-        self.dashboard = dashboard or _dashboard.Dashboard()
+        self.dashboard = dashboard or Dashboard()
         self.live: training.LiveRun | None = None  # the current (or last) run
         self._busy = False  # from Run until the run has ended
         self.runs: list = []  # every finished TrainRun, oldest first
@@ -105,55 +114,79 @@ class ControlPanel:
         sizes = sorted(set(world_sizes) | ({cluster.world_size} if cluster else set()))
         world = cluster.world_size if cluster is not None else sizes[-1]
         style = {"description_width": "110px"}
-        self.world = W.Dropdown(options=sizes, value=world, description="world size",
-                                style=style)  # fmt: skip
-        self.layout = W.Dropdown(description="layout", style=style)
-        self.invalid = W.HTML()  # the factorisations that do not fit, and why
-        self.strategy = W.ToggleButtons(
+        self.world = Dropdown(
+            options=sizes, value=world, description="world size", style=style
+        )
+        self.layout = Dropdown(description="layout", style=style)
+        self.invalid = HTML()  # the factorisations that do not fit, and why
+        self.strategy = ToggleButtons(
             options=list(STRATEGIES),
             value=self.base.strategy if self.base.strategy in STRATEGIES else "ddp",
             description="dp flavour",
             style={**style, "button_width": "60px"},
-            tooltips=["DDP", "ZeRO-1: optimizer states sharded",
-                      "ZeRO-2: + gradients", "ZeRO-3 (FSDP): + parameters"],
-        )  # fmt: skip
-        self.schedule = W.Dropdown(options=list(PIPELINE_SCHEDULES),
-                                   value=self.base.schedule, description="schedule",
-                                   style=style)  # fmt: skip
-        self.microbatches = W.BoundedIntText(
-            value=self.base.microbatches or 4, min=1, max=64,
-            description="microbatches", style=style,
-        )  # fmt: skip
-        self.chunks = W.BoundedIntText(
+            tooltips=[
+                "DDP",
+                "ZeRO-1: optimizer states sharded",
+                "ZeRO-2: + gradients",
+                "ZeRO-3 (FSDP): + parameters",
+            ],
+        )
+        self.schedule = Dropdown(
+            options=list(SCHEDULES),
+            value=self.base.schedule,
+            description="schedule",
+            style=style,
+        )
+        self.microbatches = BoundedIntText(
+            value=self.base.microbatches or 4,
+            min=1,
+            max=64,
+            description="microbatches",
+            style=style,
+        )
+        self.chunks = BoundedIntText(
             value=self.base.chunks, min=1, max=16, description="chunks (v)", style=style
         )
-        self.precision = W.Dropdown(options=list(PRECISIONS),
-                                    value=self.base.precision, description="precision",
-                                    style=style)  # fmt: skip
-        self.checkpointing = W.Dropdown(
+        self.precision = Dropdown(
+            options=list(PRECISIONS),
+            value=self.base.precision,
+            description="precision",
+            style=style,
+        )
+        self.checkpointing = Dropdown(
             options=list(CHECKPOINTING),
             value=self.base.activation_checkpointing,
             description="checkpointing",
             style=style,
         )
-        self.steps = W.BoundedIntText(value=self.base.steps, min=1, max=10_000,
-                                      description="steps", style=style)  # fmt: skip
-        self.run_button = W.Button(description="Run", button_style="success",
-                                   icon="play")  # fmt: skip
-        self.stop_button = W.Button(description="Stop", button_style="danger",
-                                    icon="stop", disabled=True)  # fmt: skip
-        self.progress = W.IntProgress(value=0, min=0, max=self.steps.value,
-                                      description="progress", style=style)  # fmt: skip
-        self.status = W.HTML()
-        self.check_message = W.HTML()
-        self.output = W.Output()  # callback errors land here
+        self.steps = BoundedIntText(
+            value=self.base.steps, min=1, max=10_000, description="steps", style=style
+        )
+        self.run_button = Button(description="Run", button_style="success", icon="play")
+        self.stop_button = Button(
+            description="Stop", button_style="danger", icon="stop", disabled=True
+        )
+        self.progress = IntProgress(
+            value=0, min=0, max=self.steps.value, description="progress", style=style
+        )
+        self.status = HTML()
+        self.check_message = HTML()
+        self.output = Output()  # callback errors land here
 
         self._guard(self._refresh_layouts)()
         self.world.observe(self._guard(self._refresh_layouts), names="value")
-        for w in (self.layout, self.strategy, self.schedule, self.microbatches,
-                  self.chunks, self.precision, self.checkpointing,
-                  self.steps):  # fmt: skip
-            w.observe(self._guard(self._refresh_check), names="value")
+        choices = (
+            self.layout,
+            self.strategy,
+            self.schedule,
+            self.microbatches,
+            self.chunks,
+            self.precision,
+            self.checkpointing,
+            self.steps,
+        )
+        for choice in choices:
+            choice.observe(self._guard(self.refresh), names="value")
         self.run_button.on_click(self._guard(self.run))
         self.stop_button.on_click(self._guard(self.stop))
         self._box = None
@@ -195,7 +228,7 @@ class ControlPanel:
             )
         else:
             self.invalid.value = ""
-        self._refresh_check()
+        self.refresh()
 
     @property
     def valid_layouts(self) -> list[Layout]:
@@ -211,8 +244,9 @@ class ControlPanel:
                 "another world size"
             )
         layout = self.layout.value
-        changes = dict(layout=layout, strategy=self.strategy.value,
-                       steps=self.steps.value)  # fmt: skip
+        changes = dict(
+            layout=layout, strategy=self.strategy.value, steps=self.steps.value
+        )
         pipelined = layout.pp > 1
         changes.update(
             schedule=self.schedule.value,
@@ -230,7 +264,10 @@ class ControlPanel:
         config.check(self.world.value)
         return config
 
-    def _refresh_check(self, _change=None) -> None:
+    def refresh(self, _change=None) -> None:
+        """Check the config the widgets describe again (every widget change does;
+        call it after changing :attr:`base`): Run is enabled exactly when
+        :meth:`check` passes, and the message says what to change."""
         pp = self.layout.value.pp if self.layout.value is not None else 1
         for w in (self.schedule, self.microbatches, self.chunks):
             w.disabled = pp == 1  # pipeline settings only
@@ -245,7 +282,7 @@ class ControlPanel:
         self.run_button.disabled = self._busy
 
     # ---- Run and Stop --------------------------------------------------------------
-    def _cluster(self):
+    def _running_cluster(self):
         n = self.world.value
         if (
             self.cluster is None
@@ -264,7 +301,7 @@ class ControlPanel:
         if self._busy:
             raise RuntimeError("a run is still going: press Stop, or wait for it")
         config = self.check()
-        cluster = self._cluster()
+        cluster = self._running_cluster()
         self.dashboard.reset(config, cluster.world_size)
         self.progress.value = 0
         self.progress.max = config.steps
@@ -310,13 +347,13 @@ class ControlPanel:
             self._show_error(live.error)  # after an interrupt: what each rank saw
         else:
             self.progress.bar_style = (
-                "warning" if live.stopped_at is not None else ("success")
+                "warning" if live.stopped_at is not None else "success"
             )
             self.runs.append(live.result)
             self.status.value = live.message or (
                 f"done: {live.config.steps} steps · loss {live.loss:.4f}"
             )
-        self._refresh_check()
+        self.refresh()
 
     def stop(self, _button=None) -> str:
         """What Stop does: end the run at a step boundary (see
@@ -336,25 +373,30 @@ class ControlPanel:
 
     # ---- display -------------------------------------------------------------------
     @property
-    def widget(self) -> W.Widget:
+    def widget(self) -> Widget:
         if self._box is None:
-            self._box = W.VBox(
+            choices = HBox(
                 [
-                    W.HBox([
-                        W.VBox([self.world, self.layout, self.steps]),
-                        W.VBox([self.schedule, self.microbatches, self.chunks]),
-                        W.VBox([self.precision, self.checkpointing]),
-                    ]),
+                    VBox([self.world, self.layout, self.steps]),
+                    VBox([self.schedule, self.microbatches, self.chunks]),
+                    VBox([self.precision, self.checkpointing]),
+                ]
+            )
+            self._box = VBox(
+                [
+                    choices,
                     self.strategy,
                     self.invalid,
                     self.check_message,
-                    W.HBox([self.run_button, self.stop_button, self.progress]),
+                    HBox([self.run_button, self.stop_button, self.progress]),
                     self.status,
                     self.output,
                     self.dashboard.widget,
                 ]
-            )  # fmt: skip
+            )
         return self._box
 
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+    def _ipython_display_(self):  # a panel at the end of a cell shows its widget
+        from IPython.display import display
+
+        display(self.widget)

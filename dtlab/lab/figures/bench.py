@@ -10,7 +10,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dtlab.lab.plots import save_png
+from dtlab.lab.figures.export import save_png
 
 SECTION_COLORS = {
     "speed": "#4c78a8",
@@ -41,10 +41,12 @@ def bench_figure(rows, title: str = "dtlab bench") -> go.Figure:
     with_ratio = [r for r in rows if r["ratio"] is not None]
     bars_px, table_px = _heights(rows)
     fig = make_subplots(
-        rows=2, cols=1, vertical_spacing=0.03,
+        rows=2,
+        cols=1,
+        vertical_spacing=0.03,
         row_heights=[bars_px / (bars_px + table_px), table_px / (bars_px + table_px)],
         specs=[[{"type": "xy"}], [{"type": "table"}]],
-    )  # fmt: skip
+    )
     order = [_label(r) for r in with_ratio][::-1]  # first row on top
     for section, color in SECTION_COLORS.items():
         part = [r for r in with_ratio if r["section"] == section]
@@ -94,10 +96,12 @@ def bench_figure(rows, title: str = "dtlab bench") -> go.Figure:
         col=1,
     )
     fig.update_layout(
-        title=title, barmode="overlay", bargap=0.25,
+        title=title,
+        barmode="overlay",
+        bargap=0.25,
         legend=dict(orientation="h", x=1, xanchor="right", y=1.0, yanchor="bottom"),
         margin=dict(l=20, r=20, t=60, b=20),
-    )  # fmt: skip
+    )
     return fig
 
 
