@@ -58,23 +58,23 @@ LOSS_TITLE = "Loss (global batch) per rank"
 
 # ---- predictions for a config (the same ones ``dtlab run`` prints) -------------------
 def predicted_memory(config, world_size: int) -> dict[int, dict[str, float]]:
-    """``{rank: bytes by category}`` from :func:`dtlab.run.predicted_memory`
+    """``{rank: bytes by category}`` from :func:`dtlab.measure.predicted_memory`
     (:func:`dtlab.estimate.layout_memory`), each rank at its own pipeline stage."""
-    from dtlab import run
+    from dtlab import measure
 
     layout = config.resolve_layout(world_size)
     by_stage = {
-        s: run.predicted_memory(config, layout, stage=s) for s in range(layout.pp)
+        s: measure.predicted_memory(config, layout, stage=s) for s in range(layout.pp)
     }
     return {r: by_stage[layout.coords(r)["pp"]] for r in range(world_size)}
 
 
 def predicted_traffic(config, world_size: int) -> dict[str, float]:
     """Wire bytes one rank sends per step by axis (the busiest rank of each), from
-    :func:`dtlab.run.predicted_traffic` (:func:`dtlab.estimate.layout_traffic`)."""
-    from dtlab import run
+    :func:`dtlab.measure.predicted_traffic` (:func:`dtlab.estimate.layout_traffic`)."""
+    from dtlab import measure
 
-    return dict(run.predicted_traffic(config, config.resolve_layout(world_size)))
+    return dict(measure.predicted_traffic(config, config.resolve_layout(world_size)))
 
 
 # ---- the two views of this chapter's own --------------------------------------------
