@@ -1,6 +1,8 @@
 """The ``dtlab`` command.
 
-- ``dtlab lab``: JupyterLab on the chapter index, on 127.0.0.1, token on.
+- ``dtlab lab``: JupyterLab on the chapter index, on 127.0.0.1, token on, no
+  news pop-up; SIGTERM, SIGHUP or SIGINT stops it with its kernels (and so their
+  clusters) before ``dtlab lab`` returns.
 - ``dtlab info``: what this machine offers (backend, GPUs, CPU engines it can run).
 - ``dtlab run CONFIG``: train a :class:`dtlab.train.TrainConfig` headless, under
   torchrun or on ``--nproc`` local processes (:mod:`dtlab.run`).
@@ -15,8 +17,10 @@ import argparse
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 
 def default_notebooks() -> pathlib.Path:
@@ -43,6 +47,10 @@ def lab_command(
         f"--ServerApp.port={port}",
         "--ServerApp.port_retries=0",  # a busy port is an error, not a surprise port
         "--LabApp.default_url=/lab/tree/index.ipynb",
+        # no "news" notification over every chapter, no update check: a course
+        # server has nothing to announce, and may be offline
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
     ]  # fmt: skip
     if token is not None:
         if not token:
@@ -70,7 +78,44 @@ def _lab(args) -> int:
                       token=args.token)  # fmt: skip
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    return subprocess.call(cmd, env=env)
+    return run_server(cmd, env)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def run_server(cmd: list[str], env: dict, *, grace: float = 20.0) -> int:
+    """Run the JupyterLab command ``cmd`` as a child and return its exit code.
+
+    SIGTERM, SIGHUP or SIGINT to this process is passed on as SIGTERM, on which the
+    Jupyter server shuts its kernels down (each stopping its clusters) and exits;
+    this process waits for that, up to ``grace`` seconds, then SIGKILLs the
+    server (its kernels then notice their parent gone, and the clusters their
+    kernels: :mod:`dtlab.lab.lifeline`). Without this, a ``dtlab lab`` ended by a
+    signal left the server running, re-parented to init, with every kernel and
+    cluster it held."""
+    server = subprocess.Popen(cmd, env=env)
+    stopping: list[float] = []
+
+    def forward(signum, frame):
+        if not stopping:
+            stopping.append(time.monotonic())
+            name = signal.Signals(signum).name
+            print(f"dtlab lab: {name}: stopping JupyterLab", file=sys.stderr)
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+    try:
+        while True:
+            try:
+                return server.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                if stopping and time.monotonic() > stopping[0] + grace:
+                    server.kill()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _has_module(name: str) -> bool:

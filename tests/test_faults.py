@@ -4,7 +4,10 @@ cluster that works again without restarting the kernel.
 Every fault a learner (or the machine) can cause is played on a small dedicated
 cluster: an engine killed mid-step; an exception raised inside a collective during
 backward (a DDP bucket hook, a ZeRO-3 reduce-scatter); the notebook's Stop button
-while ``cluster.run`` waits; ranks that call mismatched collectives. Each test
+while ``cluster.run`` waits; ranks that call mismatched collectives; a rank looping
+in Python while its peer waits in a raw ``torch.distributed`` call, or after its
+peer finished; a rank frozen by SIGSTOP; a return value that cannot be pickled.
+Each test
 checks the message names the rank *and* what it was doing, that the next run on the
 same cluster succeeds, and that no engine process is left behind. The time from the
 fault to the message is printed (run with ``-s``); the bounds asserted are only
@@ -22,6 +25,7 @@ import pytest
 import torch
 
 from dtlab.lab import EngineDied, LabCluster, RankError
+from dtlab.lab.failures import EngineUnresponsive, RankHung
 
 pytestmark = pytest.mark.cluster
 
@@ -33,6 +37,8 @@ _RS = (
     else "reduce_scatter_tensor"
 )
 BOUND = 30.0  # generous: a fault must surface well within this
+HUNG_BOUND = TIMEOUT + 5.0  # issue 19: a hung rank is named within this
+LOAD = 4.0  # what a loaded 2-core machine may add to it
 
 
 def _children() -> set[int]:
@@ -372,4 +378,162 @@ def test_mismatched_shapes_abort_an_engine_unless_collectives_are_checked(cluste
         f"all_reduce(256 floats) on 2 CPU ranks: {per_op['off'] * 1e3:.2f} ms "
         f"unchecked, {per_op['on'] * 1e3:.2f} ms with check_collectives"
     )
+    _assert_works(cluster)
+
+
+# ---- hangs end with the culprit named (issue 19) -----------------------------------
+def _one_loops_in_python(peer):
+    """Rank 1 never finishes (a loop with no end, in Python); rank 0 waits for it
+    in a raw torch.distributed all-reduce (``peer="waits"``) or returns."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        while True:
+            sum(range(100))  # the bug: nothing ends this loop
+    if peer == "waits":
+        dist.all_reduce(torch.ones(4))  # raw: not through dtlab.comm
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("peer", ["waits", "finishes"])
+def test_a_rank_that_never_finishes_is_named_and_interrupted(cluster, peer):
+    pids = dict(cluster.pids)
+    t0 = time.monotonic()
+    with pytest.raises(RankHung) as info:
+        cluster.run(_one_loops_in_python, peer, timeout=600)
+    elapsed = time.monotonic() - t0
+    err, message = info.value, str(info.value)
+    print(f"\nhung rank ({peer}) -> RankHung after {elapsed:.2f}s:\n{message[:900]}")
+    assert err.rank == 1
+    # within the group's timeout + 5 s, not the call's 600 s
+    assert elapsed < HUNG_BOUND + LOAD, f"named after {elapsed:.1f}s"
+    after = "after rank 0 failed" if peer == "waits" else "after rank 0 finished"
+    assert "rank 1 still running" in message and after in message
+    assert "rank 1 was running Python, no collective yet" in message
+    assert "every rank is free again" in message  # how to recover
+    # its traceback at the interrupt: the function and line it was stuck in
+    assert "in _one_loops_in_python" in err.remote_traceback
+    if peer == "waits":
+        # the raw torch.distributed call is recorded like dtlab.comm's
+        assert (
+            "all_reduce(numel=4, float32, group world, tag 'torch.distributed')"
+            in (err.doing[0])
+        )
+    _assert_works(cluster)
+    assert cluster.pids == pids  # interrupted, not replaced
+
+
+def test_a_stopped_rank_is_unresponsive_and_recovers_after_sigcont(cluster):
+    pid = cluster.pids[1]
+    # a short stop: resumed before the controller drops the engine
+    threading.Timer(1.0, os.kill, (pid, signal.SIGSTOP)).start()
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnresponsive) as info:
+        cluster.run(_traffic, 10_000, timeout=600)
+    elapsed = time.monotonic() - t0 - 1.0
+    message = str(info.value)
+    print(f"\nSIGSTOP -> EngineUnresponsive after {elapsed:.2f}s:\n{message}")
+    assert elapsed < BOUND
+    assert f"rank 1's engine (pid {pid}) is alive but not answering" in message
+    assert "stopped (SIGSTOP" in message and "died" not in message
+    assert f"kill -CONT {pid}" in message and "cluster.reset()" in message
+    with pytest.raises(EngineUnresponsive, match="is stopped"):
+        cluster.reset()  # still stopped: said again, and nothing hangs
+    os.kill(pid, signal.SIGCONT)
+    cluster.reset()
+    _assert_works(cluster)
+    assert cluster.pids[1] == pid
+
+    # a long stop: the controller drops the engine after missed heartbeats
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while cluster.rank_to_engine[1] in cluster.client.ids:
+        assert time.monotonic() < deadline, "the controller never dropped it"
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGCONT)
+    for call in (lambda: cluster.run(_rank_and_sum), cluster.health):
+        with pytest.raises(EngineUnresponsive) as info:  # not IndexError
+            call()
+        assert "controller dropped it" in str(info.value)
+        assert "cluster.reset()" in str(info.value)
+    cluster.reset()  # a new engine for rank 1
+    assert cluster.pids[1] != pid
+    _assert_works(cluster)
+    _assert_no_orphans([pid])
+
+
+def _returns_a_lock():
+    return {"lock": threading.Lock()}
+
+
+def test_a_return_value_that_cannot_be_pickled_is_named(cluster):
+    with pytest.raises(RankError) as info:
+        cluster.run(_returns_a_lock)
+    message = str(info.value)
+    print(f"\nunpicklable return value:\n{message[:400]}")
+    assert "the return value on rank" in message and "builtins.dict" in message
+    assert "cannot pickle '_thread.lock' object" in message
+    _assert_works(cluster)
+
+
+# ---- out of memory (issue 19) ---------------------------------------------------
+def _memory_cgroup_of(pid: int) -> str | None:
+    with open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.strip().split(":", 2)
+            if "memory" in controllers.split(","):
+                return os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
+    return None
+
+
+def _allocate_until_killed(rank):
+    import torch.distributed as dist
+
+    held = []
+    if dist.get_rank() == rank:
+        while True:
+            held.append(torch.ones(16 * 2**20))  # 64 MiB, every page touched
+    dist.all_reduce(torch.ones(1))  # the peer waits for it
+    return len(held)
+
+
+@pytest.mark.slow  # a restart: new engines import torch again
+def test_an_engine_killed_for_memory_says_out_of_memory(cluster):
+    pid = cluster.pids[1]
+    parent = _memory_cgroup_of(pid)
+    if parent is None or not os.access(parent, os.W_OK):
+        pytest.skip("no writable cgroup-v1 memory controller here")
+    # the rank gets a memory cgroup of its own, 256 MiB more than it holds: the
+    # kernel's OOM killer ends it there, and nothing else on the machine
+    child = os.path.join(parent, f"dtlab-oom-{pid}")
+    try:
+        os.mkdir(child)
+        with open(os.path.join(child, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(256 * 2**20))
+        with open(os.path.join(child, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+    except OSError as exc:
+        pytest.skip(f"cannot make a memory cgroup here: {exc}")
+    try:
+        time.sleep(1.2)  # a heartbeat from inside the new cgroup
+        t0 = time.monotonic()
+        with pytest.raises(EngineDied) as info:
+            cluster.run(_allocate_until_killed, 1, timeout=120)
+        message = str(info.value)
+        print(
+            f"\nOOM kill -> EngineDied after {time.monotonic() - t0:.2f}s:\n{message}"
+        )
+        assert "rank 1" in message and f"pid {pid}" in message
+        assert "out of memory (the kernel's OOM killer" in message
+        assert "restart()" in message  # the restart offered
+    finally:
+        deadline = time.monotonic() + 10
+        while os.path.isdir(child):
+            try:
+                os.rmdir(child)  # empty once the engine is gone
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    cluster.restart()
     _assert_works(cluster)

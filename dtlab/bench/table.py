@@ -31,7 +31,7 @@ import traceback
 
 __all__ = ["PARTS", "collect", "assemble", "format_table", "report"]
 
-PARTS = ("ddp", "zero", "tp", "pp", "2d", "telemetry")
+PARTS = ("ddp", "zero", "tp", "pp", "2d", "telemetry", "cluster")
 
 
 def _settings(quick: bool) -> dict:
@@ -45,6 +45,7 @@ def _settings(quick: bool) -> dict:
             "pp": dict(p=2, steps=3),
             "2d": dict(steps=3, warmup=1, n_layers=2),
             "telemetry": dict(world_size=2, steps=3, overhead_steps=6),
+            "cluster": dict(world_size=2, repeats=1, steps=5),
         }  # fmt: skip
     return {
         "ddp": dict(world_sizes=(2, 4), steps=20, warmup=3),
@@ -53,13 +54,22 @@ def _settings(quick: bool) -> dict:
         "pp": dict(p=4, steps=5),
         "2d": dict(steps=8, warmup=2),
         "telemetry": dict(world_size=4, steps=4, overhead_steps=20),
+        "cluster": dict(world_size=4, repeats=3, steps=20),
     }
 
 
 # ---- running the parts ---------------------------------------------------------------
 def _run_part(part: str, s: dict):
     """One part's raw results (fresh processes each)."""
-    from dtlab.bench import composed, ddp, pipeline, telemetry, tensor_parallel, zero
+    from dtlab.bench import (
+        cluster,
+        composed,
+        ddp,
+        pipeline,
+        telemetry,
+        tensor_parallel,
+        zero,
+    )
 
     runners = {
         "ddp": ddp.run,
@@ -69,6 +79,7 @@ def _run_part(part: str, s: dict):
         "pp": pipeline.run,
         "2d": composed.run,
         "telemetry": telemetry.run,
+        "cluster": cluster.run,
     }  # fmt: skip
     if part not in runners:
         raise ValueError(f"unknown part {part!r}: expected some of {PARTS}")
@@ -202,6 +213,34 @@ def assemble(collected: dict) -> list[dict]:
             rows.append(_error_row("bytes", r["error"]))
         else:
             rows += _telemetry_rows(r)
+    if "cluster" in res:
+        r = res["cluster"]
+        if "error" in r:
+            rows.append(_error_row("lab", r["error"]))
+        else:
+            rows += _cluster_rows(r)
+    return rows
+
+
+# the goals of issue 17 for the live cluster (seconds)
+START_GOAL, STOP_GOAL, LAG_GOAL = 3.0, 1.0, 0.5
+
+
+def _cluster_rows(r: dict) -> list[dict]:
+    """``cluster start`` (start to the first run returning, with its phases),
+    ``cluster stop`` and ``dashboard lag`` (median; the max in the note), each
+    against its goal."""
+    n = r["world_size"]
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
+    start = _row("lab", "cluster start", n, r["ready_s"], START_GOAL, "s", "goal")
+    start["note"] = phases
+    stop = _row("lab", "cluster stop", n, r["stop_s"], STOP_GOAL, "s", "goal")
+    stop["note"] = "until every process exited"
+    rows = [start, stop]
+    if r.get("lag_median_s") is not None:
+        lag = _row("lab", "dashboard lag", n, r["lag_median_s"], LAG_GOAL, "s", "goal")
+        lag["note"] = f"median; max {r['lag_max_s']:.2f} s"
+        rows.append(lag)
     return rows
 
 

@@ -2,7 +2,7 @@
 
 Taught in chapter 01; every later chapter starts with ``cluster = start(...)``.
 
-    from dtlab.lab import start
+    from dtlab.lab import start             # dtlab.lab.notebook.start
     cluster = start(world_size=4)           # 4 CPU engines on gloo (or 1 per GPU)
     cluster.run(fn, *args)                  # fn on every rank; results in rank order
     cluster.reset()                         # fresh process group, same engines
@@ -33,20 +33,26 @@ signalled through its control channel, never by a pid of this machine.
 
 from __future__ import annotations
 
-import atexit
 import os
 import secrets
 import shutil
 import tempfile
 import time
-import weakref
 from collections.abc import Callable
 
-from dtlab.lab import failures, placement, processes, waiting
+from dtlab.lab import (
+    engines,
+    failures,
+    output,
+    placement,
+    processes,
+    shipping,
+    teardown,
+    variables,
+    waiting,
+)
 from dtlab.lab.engine import call, world
 from dtlab.lab.failures import WorldDown
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # clusters started by this process
 
 
 class LabCluster:
@@ -117,7 +123,10 @@ class LabCluster:
         self.private_dir: str | None = None  # the rendezvous file, the status boards
         self.last_events: list[dict] = []
         self.start_seconds: float | None = None
+        self.start_phases: dict[str, float] = {}
+        self.last_epoch: float | None = None  # the time axis of the last run's events
         self.needs_reset = False  # the next run starts with a fresh process group
+        self.px_active = False  # %%px cells target this cluster (see start())
         self._token = secrets.token_hex(8)  # names this cluster's shared folder
 
     # ---- where the ranks are (dtlab.lab.placement) -------------------------------
@@ -154,16 +163,28 @@ class LabCluster:
 
     def board_file(self, rank: int) -> str | None:
         """The status file rank ``rank`` writes what it is doing into
-        (:mod:`dtlab.lab.engine.board`); ``None`` for engines elsewhere, which
-        cannot write into this machine's files."""
-        if self.private_dir is None or self.engines != "local" or self.profile_dir:
+        (:mod:`dtlab.lab.engine.board`): in the private folder when every engine
+        runs here, in the shared one (``store_dir``) when they span machines;
+        ``None`` when there is no folder every engine can write."""
+        if self.private_dir is None or self.placement is None:
             return None
-        return os.path.join(self.private_dir, f"board-{rank}")
+        if not self.placement.single_host and self.store_dir is None:
+            return None
+        return os.path.join(self.rendezvous_folder(), f"board-{rank}")
 
     # ---- lifecycle --------------------------------------------------------------
     def start(self) -> LabCluster:
-        """Start the controller and the engines, and form the world."""
-        t0 = time.perf_counter()
+        """Start the controller and the engines, and form the world. Where the time
+        went is kept in :attr:`start_phases` (seconds per phase)."""
+        t0 = last = time.perf_counter()
+        self.start_phases = {}
+
+        def phase(name: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            self.start_phases[name] = now - last
+            last = now
+
         self.private_dir = tempfile.mkdtemp(prefix="dtlab-cluster-")
         self.ipp_cluster = processes.ipp_cluster(
             self.world_size,
@@ -172,45 +193,58 @@ class LabCluster:
             profile_dir=self.profile_dir,
             private_dir=self.private_dir,
         )
-        _LIVE.add(self)
+        teardown.register(self)
         try:
-            # not start_and_connect: in a notebook it draws a progress widget
-            self.ipp_cluster.start_cluster_sync()
+            # not start_and_connect: in a notebook it draws a progress widget;
+            # every process under a lifeline that ends it with this kernel
+            processes.start_controller(self.ipp_cluster)
+            phase("controller")
+            processes.start_engines(self.ipp_cluster, self.world_size)
             self.client = self.ipp_cluster.connect_client_sync()
+            phase("engines launched")
             self.client.wait_for_engines(
                 self.world_size, timeout=self.start_timeout, interactive=False
             )
+            phase("engines registered")
             ids = sorted(self.client.ids)[: self.world_size]
-            self.view = self.client[ids]
-            self.view.use_cloudpickle()
             # explicit rank map: sorted engine ids -> ranks 0..N-1
             self.rank_to_engine = dict(enumerate(ids))
+            self.connect_view()
             where = self.view.apply_async(world.whereami).get(
                 timeout=self.start_timeout
             )
+            phase("torch imported")
             self.place(where)
             # the first setup also imports torch on every engine: on a busy machine
             # that alone takes tens of seconds, so it gets the start-up budget
             self._init_world(wait=self.start_timeout + self.timeout)
+            phase("process group")
         except BaseException:
             self.stop()
             raise
         self.start_seconds = time.perf_counter() - t0
         return self
 
+    def connect_view(self) -> None:
+        """The view of every rank's engine, in rank order (again, after an engine
+        was replaced); ``%%px`` cells use it once :func:`start` activated it."""
+        self.view = self.client[
+            [self.rank_to_engine[r] for r in sorted(self.rank_to_engine)]
+        ]
+        self.view.use_cloudpickle()
+        if self.px_active:
+            # %%px cells wait for their ranks and show their output in the cell
+            # (a non-blocking view would leave only "<AsyncResult: pending>")
+            self.view.block = True
+            self.view.activate()
+
     def signal(self, ranks, signum: int) -> None:
         """Send ``signum`` to the engines of ``ranks``: by pid on this machine,
         through ipyparallel's control channel on another."""
         local = self.local_pids()
+        remote = [self.rank_to_engine[r] for r in ranks if r not in local]
         processes.signal_engines(
-            self.ipp_cluster,
-            [local[r] for r in ranks if r in local],
-            [
-                self.rank_to_engine[r]
-                for r in ranks
-                if r not in local and r in self.rank_to_engine
-            ],
-            signum,
+            self.ipp_cluster, [local[r] for r in ranks if r in local], remote, signum
         )
 
     def _init_world(self, wait: float | None = None) -> None:
@@ -251,10 +285,11 @@ class LabCluster:
         ``check_collectives=True`` turns torch's collective checker on for the new
         group (mismatched ops or shapes become clean errors on every rank instead of
         a hang or an aborted engine; each collective costs a few ms more)."""
-        self._require_started()
+        self.check_running()
         if check_collectives is not None:
             self.check_collectives = bool(check_collectives)
-        waiting.check_alive(self)
+        waiting.check_alive(self, stopped_for=0.0)
+        engines.replace_dropped(self)  # alive, but the controller forgot them
         self._init_world()
         return self
 
@@ -264,33 +299,45 @@ class LabCluster:
         return self.start()
 
     def stop(self) -> None:
-        """Stop the engines and the controller. Safe to call twice."""
+        """Stop the engines and the controller; return once every process of
+        this machine that the cluster started has exited. Safe to call twice.
+
+        Local processes are killed at once, whatever they are doing (a cluster
+        that stops has nothing left to save: a learner's state lives in the
+        notebook); ipyparallel's own stop then finds them gone, and stops the
+        engines of other hosts through their launchers."""
         ipp_cluster, self.ipp_cluster = self.ipp_cluster, None
-        if self.view is not None:
-            try:
-                self.view.apply_async(world.teardown).get(timeout=5)
-            except Exception:  # noqa: BLE001 - stopping anyway
-                pass
+        procs = self.kill(ipp_cluster)
         if self.client is not None:
             try:
                 self.client.close()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - stopping anyway
                 pass
         self.client = self.view = None
+        left = processes.wait_gone(procs)
         if ipp_cluster is not None:
             try:
                 ipp_cluster.stop_cluster_sync()
             except Exception:  # noqa: BLE001
                 pass
-        for pid in self.local_pids().values():  # whatever the launcher missed
-            processes.kill(pid)
+        if left:  # pragma: no cover - SIGKILL does not fail on our own processes
+            raise RuntimeError(f"processes {[p.pid for p in left]} did not exit")
         if self.placement is not None and not self.placement.single_host:
             shutil.rmtree(self.rendezvous_folder(), ignore_errors=True)
         self.placement = None
         if self.private_dir:
             shutil.rmtree(self.private_dir, ignore_errors=True)
             self.private_dir = None
-        _LIVE.discard(self)
+        teardown.forget(self)
+
+    def kill(self, ipp_cluster=None) -> list:
+        """SIGKILL every local process of the cluster (controller, engines, their
+        children) without waiting or asking ipyparallel: what the kernel's SIGTERM
+        handler does (:mod:`dtlab.lab.teardown`). Returns the processes (psutil)."""
+        ipp_cluster = ipp_cluster or self.ipp_cluster
+        pids = [x.process.pid for x in processes.local_launchers(ipp_cluster)]
+        pids += list(self.local_pids().values())  # whatever the launcher missed
+        return processes.kill(pids)
 
     @property
     def running(self) -> bool:
@@ -315,6 +362,7 @@ class LabCluster:
         record: bool = False,
         on_events: Callable[[list[dict]], None] | None = None,
         publish_interval: float = 0.1,
+        show_output: bool | None = None,
         **kwargs,
     ) -> list:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank
@@ -324,16 +372,19 @@ class LabCluster:
         call: every rank records comm/compute/memory events, ``on_events`` receives
         batches live while the call runs, and all events end up in
         :attr:`last_events` afterwards. ``timeout`` bounds the whole call (default:
-        the cluster's ``call_timeout``).
+        the cluster's ``call_timeout``). What ``fn`` prints shows under the cell,
+        one area per rank (``show_output``; by default from the main thread only:
+        :mod:`dtlab.lab.output`).
         """
-        self._require_started()
-        _ship_by_value(fn)
+        self.check_running()
+        engines.require_registered(self)  # a dropped engine: say reset/restart
+        shipping.ship_by_value(fn)
         record = record or on_events is not None
         interval = publish_interval if on_events is not None else 0.0
         for attempt in range(2):
             if self.needs_reset:
                 self.reset()
-            epoch = time.time()  # one time axis for every rank's events
+            epoch = self.last_epoch = time.time()  # one time axis for every rank
             pending = [
                 self.client[eid].apply_async(
                     call.call, fn, args, kwargs, record, interval, epoch
@@ -355,6 +406,7 @@ class LabCluster:
                     timeout=timeout or self.call_timeout,
                     what=getattr(fn, "__name__", "the function"),
                     on_events=live,
+                    output=output.per_rank(pending, show_output),
                 )
                 break
             except WorldDown:
@@ -388,7 +440,8 @@ class LabCluster:
 
     def health(self) -> list[dict]:
         """Each rank's view of itself: pid, process group up, broken reason."""
-        self._require_started()
+        self.check_running()
+        engines.require_registered(self)
         return waiting.wait_for_ranks(
             self,
             [
@@ -398,6 +451,23 @@ class LabCluster:
             timeout=10,
             what="health check",
         )
+
+    # ---- the ranks' namespaces and status ---------------------------------------
+    def push(self, values: dict | None = None, *, ranks=None, **named) -> None:
+        """Set variables in every rank's namespace (or ``ranks``'), the one
+        ``%%rank`` cells see: ``cluster.push(lr=0.1)`` (:mod:`dtlab.lab.variables`)."""
+        variables.push(self, {**(values or {}), **named}, ranks)
+
+    def pull(self, name: str, *, ranks=None) -> list:
+        """Each rank's variable ``name``, in rank order."""
+        return variables.pull(self, name, ranks)
+
+    def status(self):
+        """Every rank's pid, host, device, memory, current or last operation and
+        heartbeat age, as a table (:mod:`dtlab.lab.status`)."""
+        from dtlab.lab.status import status
+
+        return status(self)
 
     def doing(self) -> dict[int, str]:
         """What each rank is doing right now, in words (``"in all_reduce(numel=8,
@@ -412,76 +482,9 @@ class LabCluster:
             for r in sorted(self.rank_to_engine)
         }
 
-    def _require_started(self) -> None:
+    def check_running(self) -> None:
+        """Raise ``RuntimeError`` unless the cluster is running."""
         if not self.running:
             raise RuntimeError(
                 "the cluster is not running: call cluster.start() or dtlab.lab.start()"
             )
-
-
-def _ship_by_value(fn) -> None:
-    """Functions travel to the engines pickled. cloudpickle sends a function of an
-    importable module by *name*; that fails on an engine when the module is a
-    script or a test file the engine cannot import. Such modules (anything outside
-    site-packages and not dtlab itself) are sent by value instead."""
-    import sys
-
-    import cloudpickle
-
-    name = getattr(fn, "__module__", None) or "__main__"
-    module = sys.modules.get(name)
-    if name == "__main__" or module is None or name.split(".")[0] == "dtlab":
-        return
-    path = getattr(module, "__file__", None) or ""
-    if "site-packages" in path or "dist-packages" in path or not path:
-        return
-    if path.startswith(sys.base_prefix) and "/lib/python" in path:  # stdlib
-        return
-    try:
-        cloudpickle.register_pickle_by_value(module)
-    except ValueError:  # already registered
-        pass
-
-
-def start(world_size: int | None = None, **kwargs) -> LabCluster:
-    """Start (or reuse) the notebook's cluster.
-
-    Re-running a notebook's start cell must not leave orphan engines: a running
-    cluster with the same settings is reused (its process group reset); any other
-    cluster this kernel started is stopped first.
-    """
-    # a request this machine cannot serve fails here, before anything is stopped
-    fresh = LabCluster(world_size, **kwargs)
-    for old in list(_LIVE):
-        same = (
-            old.running
-            and (world_size is None or old.world_size == world_size)
-            and all(getattr(old, k, None) == v for k, v in kwargs.items())
-        )
-        if same:
-            try:
-                return old.reset()
-            except Exception:  # noqa: BLE001 - fall through to a fresh start
-                pass
-        old.stop()
-    cluster = fresh.start()
-    try:  # make %%px cells target this cluster when running in IPython
-        from IPython import get_ipython
-
-        if get_ipython() is not None:
-            # %%px cells wait for their ranks and show their output in the cell
-            # (a non-blocking view would leave only "<AsyncResult: pending>")
-            cluster.view.block = True
-            cluster.view.activate()
-    except ImportError:  # pragma: no cover
-        pass
-    return cluster
-
-
-def stop_all() -> None:
-    """Stop every cluster this process started (also registered to run at exit)."""
-    for cluster in list(_LIVE):
-        cluster.stop()
-
-
-atexit.register(stop_all)

@@ -1,18 +1,32 @@
-"""The engines as processes: launched through ipyparallel, signalled, watched, and
-asked how they ended.
+"""The engines as processes: launched through ipyparallel, signalled, watched,
+stopped, and asked how they ended.
 
 Taught in chapter 01 (an engine is a process of its own).
 
 Everything here goes through ipyparallel's public API (``ipyparallel.Cluster``,
-its ``engines`` launchers and their ``process``, ``Client.send_signal``) or
-psutil's. Engines on this machine are handled by pid; engines on another host only
-through the ipyparallel controller, never by a pid of this machine.
+its ``controller`` and ``engines`` launchers and their ``process``,
+``Client.send_signal``) or psutil's. Engines on this machine are handled by pid;
+engines on another host only through the ipyparallel controller, never by a pid
+of this machine.
+
+Each process is started under a :mod:`~dtlab.lab.lifeline`, which ends it when the
+kernel that owns it is gone, and in a session of its own (ipyparallel's local
+launcher does that), so :func:`kill` ends its whole tree (an engine's nanny, the
+controller's schedulers) with one signal to its process group. :func:`stop` is
+that kill for every local process, then a wait until each has exited, then
+ipyparallel's own stop (which finds them gone) for its bookkeeping and for
+engines on other hosts.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import sys
+import time
+
+from dtlab.lab import lifeline
 
 
 def ipp_cluster(
@@ -37,6 +51,7 @@ def ipp_cluster(
             controller_args=[f"--HeartMonitor.period={heartbeat_ms}"],
             delay=0.1,
             log_level=40,
+            shutdown_atexit=False,  # dtlab.lab.teardown stops it, in well under 1 s
         )
     # Only the engine count comes from here. The profile's config files are copied
     # to a private folder: ipyparallel writes logs and connection keys into the
@@ -46,10 +61,124 @@ def ipp_cluster(
     for name in os.listdir(profile_dir):
         if name.endswith("_config.py"):
             shutil.copy(os.path.join(profile_dir, name), private)
-    settings = dict(n=n, profile_dir=private, log_level=40)
+    settings = dict(n=n, profile_dir=private, log_level=40, shutdown_atexit=False)
     if engines != "local":
         settings["engines"] = engines
     return ipp.Cluster(**settings)
+
+
+def start_controller(ipp_cluster) -> None:
+    """Start the controller, under a lifeline owned by this process (when it runs
+    here: every profile of ``cluster/`` keeps it beside the kernel)."""
+    from ipyparallel.cluster.launcher import LocalControllerLauncher
+
+    controller = {}
+    if issubclass(ipp_cluster.controller_launcher_class, LocalControllerLauncher):
+        controller["controller_cmd"] = lifeline.command(
+            sys.executable, "ipyparallel.controller", owner=os.getpid()
+        )
+    ipp_cluster.start_controller_sync(**controller)
+
+
+def start_engines(ipp_cluster, n: int) -> None:
+    """Start ``n`` engines (a new engine set) on a running controller. Engines of
+    ipyparallel's local launcher run under a lifeline owned by this process and
+    import torch while they register (``--preload``); other launchers' engines get
+    their command from the profile (``cluster/ssh``, ``cluster/slurm``), which adds
+    the lifeline there."""
+    from ipyparallel.cluster.launcher import LocalEngineSetLauncher
+
+    engines = {}
+    if issubclass(ipp_cluster.engine_launcher_class, LocalEngineSetLauncher):
+        engines["engine_cmd"] = lifeline.command(
+            sys.executable, "ipyparallel.engine", owner=os.getpid(), preload=True
+        )
+    ipp_cluster.start_engines_sync(n, **engines)
+
+
+def local_launchers(ipp_cluster) -> list:
+    """ipyparallel's launchers of local processes: the controller's and every
+    local engine's (those with a ``process`` of this machine)."""
+    if ipp_cluster is None:
+        return []
+    found = [getattr(ipp_cluster, "controller", None)]
+    for engine_set in (getattr(ipp_cluster, "engines", None) or {}).values():
+        found += list(getattr(engine_set, "launchers", {}).values())
+    return [x for x in found if getattr(x, "process", None) is not None]
+
+
+def tree(pids) -> list:
+    """psutil processes of ``pids`` and everything they started."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += [p, *p.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return procs
+
+
+_STOPPED_SINCE: dict[int, float] = {}  # pid -> when first seen stopped
+
+
+def stopped(pid: int, for_seconds: float = 0.0) -> bool:
+    """Whether the local process ``pid`` is stopped (SIGSTOP, a debugger) and has
+    been so, as far as these calls saw, for ``for_seconds`` seconds."""
+    import psutil
+
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        status = None
+    if status not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        _STOPPED_SINCE.pop(pid, None)
+        return False
+    since = _STOPPED_SINCE.setdefault(pid, time.monotonic())
+    return time.monotonic() - since >= for_seconds
+
+
+def kill(pids) -> list:
+    """SIGKILL each of ``pids`` with its process group (a launched process leads
+    a session of its own) and every process it started; return them (psutil
+    processes) to wait for. No ipyparallel call: safe in a signal handler."""
+    import psutil
+
+    procs = tree(pids)
+    for pid in pids:
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def wait_gone(procs, timeout: float = 5.0) -> list:
+    """Wait until every one of ``procs`` has exited (a zombie counts: its parent
+    reaps it); return those still running after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in procs if _running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = [p for p in left if _running(p)]
+    return left
+
+
+def _running(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def signal_engines(ipp_cluster, local_pids: list[int], remote_ids: list[int], signum):
@@ -85,18 +214,6 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def kill(pid: int) -> None:
-    """SIGKILL the local process ``pid`` and reap it (whatever a launcher missed)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        proc.kill()
-        proc.wait(timeout=5)
-    except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-        pass
 
 
 def exit_code(ipp_cluster, pid: int) -> int | None:

@@ -20,7 +20,7 @@ import traceback
 import torch.distributed as dist
 
 from dtlab import comm, telemetry
-from dtlab.lab.engine import board
+from dtlab.lab.engine import board, rawdist
 from dtlab.lab.engine.failfast import fail_fast
 from dtlab.lab.engine.publish import PublishSink
 from dtlab.lab.engine.state import state
@@ -79,6 +79,7 @@ def call(fn, args, kwargs, record: bool, publish_interval: float, epoch: float):
         fail_fast()
         raise Failure(message)
     comm.forget_ops()
+    rawdist.forget()
     board.post("running")
     if record:
         sinks = [telemetry.MemorySink()]
@@ -93,7 +94,7 @@ def call(fn, args, kwargs, record: bool, publish_interval: float, epoch: float):
             value = fn(*args, **kwargs)
         rec.flush()
     except BaseException as exc:
-        doing, error = comm.current_op(), type(exc).__name__
+        doing, error = rawdist.current_op() or comm.current_op(), type(exc).__name__
         failure = encode_failure(
             time.time(), doing, f"{error}: {exc}", traceback.format_exc()
         )
@@ -104,5 +105,30 @@ def call(fn, args, kwargs, record: bool, publish_interval: float, epoch: float):
         fail_fast()
         board.post("failed", f"{doing} ({error})")
         raise Failure(failure)
+    unsendable = _unsendable(value)
+    if unsendable:
+        board.post("idle")
+        tb = "(the function returned; pickling its value for the notebook failed)"
+        raise Failure(encode_failure(time.time(), comm.current_op(), unsendable, tb))
     board.post("idle")
     return value, (rec.events if record else None)
+
+
+def _unsendable(value) -> str | None:
+    """Why ``value`` cannot travel back to the notebook (pickled, as ipyparallel
+    sends it), or ``None``. Checked here because ipyparallel's own error ("cannot
+    pickle '_thread.lock' object") does not say it was the return value."""
+    import cloudpickle
+
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return None
+    try:
+        cloudpickle.dumps(value)
+    except Exception as exc:  # noqa: BLE001 - any reason is reported
+        return (
+            f"ReturnValueError: the return value on rank {state.rank}, a "
+            f"{type(value).__module__}.{type(value).__qualname__}, cannot be sent "
+            f"to the notebook ({type(exc).__name__}: {exc}): return plain data "
+            "(numbers, lists, dicts, tensors) instead"
+        )
+    return None

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab import launch
-from dtlab.lab.engine import board
+from dtlab.lab.engine import board, rawdist
 from dtlab.lab.engine.failfast import on_cell_error
 from dtlab.lab.engine.state import state, user_namespace
 from dtlab.topology import Layout, Topology
@@ -62,13 +62,14 @@ def setup(
     of a few milliseconds per collective (measured on 2 CPU ranks)."""
     torch.set_num_threads(1)
     launch.abort_process_group()  # leave any previous world first
-    board.open_board(board_file)
     # read when a group is created: it applies to this world's groups only
     if check_collectives:
         dist.set_debug_level(dist.DebugLevel.DETAIL)
     else:
         dist.set_debug_level_from_env()  # off, unless the engines' environment says
     os.makedirs(os.path.dirname(store_file), mode=0o700, exist_ok=True)
+    board.open_board(board_file)
+    rawdist.install()  # raw torch.distributed calls are on the board too
     launch.init_process_group(
         rank,
         world_size,
