@@ -72,7 +72,8 @@ def test_local_profile_is_loopback_only(monkeypatch):
     assert c.Cluster.controller_ip == "127.0.0.1"
     assert c.Cluster.engine_launcher_class == "local"
     ctl = _load("local", "ipcontroller", {}, monkeypatch)
-    assert ctl.IPController.ip == "127.0.0.1" and ctl.HeartMonitor.period == 500
+    assert ctl.IPController.ip == "127.0.0.1" and ctl.HeartMonitor.period == 100
+    assert ctl.HeartMonitor.max_heartmonitor_misses == 50  # dropped after 5 s
 
 
 # ---- ssh ------------------------------------------------------------------------
@@ -187,10 +188,12 @@ def test_ssh_profile_starts_one_engine_per_gpu_on_each_host(tmp_path, monkeypatc
         (None, "gpu-a", None)
     ] * 4 + [("alice", "gpu-b", "2222")] * 2
     for i, e in enumerate(started):
-        python, dash_m, module, *rest = e["command"]
-        assert (python, dash_m, module) == (
+        python, dash_m, lifeline, module, *rest = e["command"]
+        # under dtlab's lifeline: it follows the controller's heartbeat
+        assert (python, dash_m, lifeline, module) == (
             "/opt/dtlab/.venv/bin/python",
             "-m",
+            "dtlab.lab.lifeline",
             "ipyparallel.engine",
         )
         assert rest == []  # the cluster id and profile folder travel in the env
@@ -223,6 +226,7 @@ def test_slurm_profile_settings(monkeypatch):
     assert c.SlurmEngineSetLauncher.engine_cmd == [
         "/opt/dtlab/.venv/bin/python",
         "-m",
+        "dtlab.lab.lifeline",
         "ipyparallel.engine",
     ]
     ctl = _load("slurm", "ipcontroller", SLURM_ENV, monkeypatch)
@@ -269,11 +273,12 @@ def test_slurm_profile_submits_one_engine_per_gpu_across_nodes(tmp_path, monkeyp
         assert line in text.splitlines(), (line, text)
     srun = next(line for line in text.splitlines() if line.startswith("srun"))
     argv = shlex.split(srun)
-    assert argv[:5] == [
+    assert argv[:6] == [
         "srun",
         "--kill-on-bad-exit=1",
         "/opt/dtlab/.venv/bin/python",
         "-m",
+        "dtlab.lab.lifeline",
         "ipyparallel.engine",
     ]
     assert env["IPP_CLUSTER_ID"] == "t1"  # with the profile folder, in the env
@@ -295,7 +300,8 @@ def test_slurm_profile_without_partition_or_account(tmp_path, monkeypatch):
     text = pathlib.Path(engines.batch_file).read_text()
     assert "--partition" not in text and "--account" not in text
     assert "#SBATCH --ntasks-per-node=8" in text and "#SBATCH --time=02:00:00" in text
-    assert f"{sys.executable} -m ipyparallel.engine" in text  # this kernel's Python
+    # this kernel's Python
+    assert f"{sys.executable} -m dtlab.lab.lifeline ipyparallel.engine" in text
     subprocess.run(["bash", "-n", engines.batch_file], check=True)
 
 

@@ -6,4 +6,7 @@ c = get_config()  # noqa: F821 - provided by ipyparallel when it loads a profile
 
 c.Cluster.controller_ip = "127.0.0.1"  # nothing listens beyond loopback
 c.Cluster.engine_launcher_class = "local"
-c.Cluster.delay = 0.1  # engines wait for the controller's connection info anyway
+c.Cluster.delay = 0  # no pause between engine launches
+# dtlab.lab starts the engines beside the controller, not after it: they import
+# torch meanwhile and then wait for its connection file (dtlab.lab.processes)
+c.Cluster.send_engines_connection_env = False

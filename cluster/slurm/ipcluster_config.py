@@ -87,7 +87,14 @@ c.SlurmEngineSetLauncher.batch_file_name = os.path.join(
 )
 
 _python = os.environ.get("DTLAB_REMOTE_PYTHON", sys.executable)
-c.SlurmEngineSetLauncher.engine_cmd = [_python, "-m", "ipyparallel.engine"]
+# under dtlab's lifeline: an engine ends itself when the controller stops beating
+# (the notebook's kernel is gone), even while busy in a collective
+c.SlurmEngineSetLauncher.engine_cmd = [
+    _python,
+    "-m",
+    "dtlab.lab.lifeline",
+    "ipyparallel.engine",
+]
 
 _env = {"OMP_NUM_THREADS": "1"}
 if os.environ.get("DTLAB_IFNAME"):

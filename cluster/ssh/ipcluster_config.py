@@ -71,6 +71,14 @@ c.SSHEngineSetLauncher.engines = _hosts(
     _spec, int(os.environ.get("DTLAB_GPUS_PER_HOST", "8"))
 )
 c.SSHLauncher.remote_python = os.environ.get("DTLAB_REMOTE_PYTHON", sys.executable)
+# each engine under dtlab's lifeline: it ends itself when the controller stops
+# beating (the notebook's kernel is gone), even while busy in a collective
+c.SSHEngineSetLauncher.engine_cmd = [
+    c.SSHLauncher.remote_python,
+    "-m",
+    "dtlab.lab.lifeline",
+    "ipyparallel.engine",
+]
 # fail fast: no password prompt, no minute-long wait for a host that is down
 c.SSHLauncher.ssh_args = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 c.SSHLauncher.scp_args = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]

@@ -100,10 +100,21 @@ class ControllerPings:
         self.last = time.monotonic()
 
     @classmethod
-    def from_environment(cls) -> ControllerPings | None:
+    def from_environment(cls, wait: float = 120.0) -> ControllerPings | None:
+        """From ``IPP_CONNECTION_INFO``, or else from the engine connection file
+        of ``IPP_PROFILE_DIR`` and ``IPP_CLUSTER_ID`` (waiting up to ``wait``
+        seconds for the controller to write it: engines start beside it)."""
         raw = os.environ.get("IPP_CONNECTION_INFO")
         if not raw:
-            return None
+            path = _connection_file()
+            deadline = time.monotonic() + wait
+            while path and not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(POLL)
+            try:
+                with open(path or "") as f:
+                    raw = f.read()
+            except OSError:
+                return None
         try:
             info = json.loads(raw)
             if info.get("curve_serverkey") or "hb_ping" not in info:
@@ -134,9 +145,30 @@ class ControllerPings:
             return False
 
 
-def watch(owner: int | None, pings: ControllerPings | None) -> None:
+def _connection_file() -> str | None:
+    """Where ipyparallel's controller writes the engines' connection file."""
+    profile = os.environ.get("IPP_PROFILE_DIR")
+    if not profile:
+        return None
+    cluster = os.environ.get("IPP_CLUSTER_ID")
+    name = (
+        f"ipcontroller-{cluster}-engine.json" if cluster else "ipcontroller-engine.json"
+    )
+    return os.path.join(profile, "security", name)
+
+
+def watch(owner: int | None, follow_controller: bool) -> None:
     """The watching thread's loop (see the module docstring)."""
     parent = os.getppid()
+    pings = None
+    if not (os.environ.get("IPP_CONNECTION_INFO") or _connection_file()):
+        follow_controller = False  # nothing says where the controller is
+    if follow_controller:
+        # the owner first: while the controller starts, its kernel may go
+        deadline = time.monotonic() + 120
+        while pings is None and time.monotonic() < deadline:
+            _check_owner(owner, parent)
+            pings = ControllerPings.from_environment(wait=POLL)
     while True:
         if pings is not None:
             quiet = pings.silent_for(POLL)
@@ -144,8 +176,12 @@ def watch(owner: int | None, pings: ControllerPings | None) -> None:
                 end_everything(f"the controller stopped beating {quiet:.1f}s ago")
         else:
             time.sleep(POLL)
-        if owner is not None and (os.getppid() != parent or not _exists(owner)):
-            end_everything(f"its owner, pid {owner}, is gone")
+        _check_owner(owner, parent)
+
+
+def _check_owner(owner: int | None, parent: int) -> None:
+    if owner is not None and (os.getppid() != parent or not _exists(owner)):
+        end_everything(f"its owner, pid {owner}, is gone")
 
 
 def _exists(pid: int) -> bool:
@@ -181,9 +217,9 @@ def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit("usage: python -m dtlab.lab.lifeline [--owner PID] MODULE ...")
     module, args = argv[0], argv[1:]
-    pings = ControllerPings.from_environment() if module.endswith("engine") else None
+    follow = module == "ipyparallel.engine"  # an engine follows its controller
     threading.Thread(
-        target=watch, args=(owner, pings), name="dtlab-lifeline", daemon=True
+        target=watch, args=(owner, follow), name="dtlab-lifeline", daemon=True
     ).start()
     if preload:
         threading.Thread(target=_preload, name="dtlab-preload", daemon=True).start()

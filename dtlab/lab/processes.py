@@ -47,9 +47,14 @@ def ipp_cluster(
             n=n,
             engines=engines,
             controller_ip="127.0.0.1",  # loopback only
-            # the heartbeat period bounds start-up and dead-engine detection
-            controller_args=[f"--HeartMonitor.period={heartbeat_ms}"],
-            delay=0.1,
+            # An engine is registered at its first answered heartbeat, so the period
+            # bounds start-up; the controller drops an engine after DROP_AFTER
+            # seconds of missed beats, however short the period.
+            controller_args=[
+                f"--HeartMonitor.period={heartbeat_ms}",
+                f"--HeartMonitor.max_heartmonitor_misses={_misses(heartbeat_ms)}",
+            ],
+            delay=0,  # no pause between engine launches
             log_level=40,
             shutdown_atexit=False,  # dtlab.lab.teardown stops it, in well under 1 s
         )
@@ -65,6 +70,13 @@ def ipp_cluster(
     if engines != "local":
         settings["engines"] = engines
     return ipp.Cluster(**settings)
+
+
+DROP_AFTER = 5.0  # seconds of missed heartbeats before the controller drops an engine
+
+
+def _misses(heartbeat_ms: int) -> int:
+    return max(3, round(DROP_AFTER * 1000 / heartbeat_ms))
 
 
 def start_controller(ipp_cluster) -> None:
@@ -89,10 +101,18 @@ def start_engines(ipp_cluster, n: int) -> None:
     from ipyparallel.cluster.launcher import LocalEngineSetLauncher
 
     engines = {}
-    if issubclass(ipp_cluster.engine_launcher_class, LocalEngineSetLauncher):
-        engines["engine_cmd"] = lifeline.command(
-            sys.executable, "ipyparallel.engine", owner=os.getpid(), preload=True
-        )
+    # exactly the local launcher (ipyparallel's ssh launcher derives from it)
+    if ipp_cluster.engine_launcher_class is LocalEngineSetLauncher:
+        # Launched at once, beside the controller that is still starting: they
+        # import ipyparallel and torch meanwhile, then read its connection file
+        # (ipyparallel would wait for that file before launching them).
+        ipp_cluster.send_engines_connection_env = False
+        engines["engine_cmd"] = [
+            *lifeline.command(
+                sys.executable, "ipyparallel.engine", owner=os.getpid(), preload=True
+            ),
+            "--IPEngine.wait_for_url_file=300",
+        ]
     ipp_cluster.start_engines_sync(n, **engines)
 
 

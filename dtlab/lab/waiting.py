@@ -101,8 +101,9 @@ def wait_for_ranks(
                     f"they were interrupted.{doing}\n"
                     + _after_interrupt(cluster, still)
                 )
-            waiting = next(by_rank[r] for r in ranks if not by_rank[r].ready())
-            waiting.wait(0.02)
+            waiting = next((by_rank[r] for r in ranks if not by_rank[r].ready()), None)
+            if waiting is not None:  # (all may have become ready meanwhile)
+                waiting.wait(0.02)
     except KeyboardInterrupt:
         # the notebook's Stop button: stop the ranks too, and say where they were
         busy = [r for r in ranks if not by_rank[r].ready()]
@@ -293,7 +294,9 @@ def _drain(by_rank, seen, on_events) -> None:
     batch is published under a key of its own (the client keeps only the latest
     value per key: :class:`dtlab.lab.engine.publish.PublishSink`)."""
     for rank, ar in by_rank.items():
-        data = ar.data
+        # a copy: ipyparallel's thread adds keys while this one reads (the copy
+        # of a dict is made in one step, under the GIL)
+        data = dict(ar.data or {})
         if not data:
             continue
         for key in sorted(k for k in data if k not in seen[rank]):
