@@ -60,6 +60,20 @@ def test_a_host_with_too_few_gpus_is_refused_by_name():
         placement.place(_where(["gpu1"] * 3, gpus=2), "nccl", store_dir="/shared")
 
 
+def test_ranks_follow_hosts_this_machine_first():
+    # ipyparallel numbers engines as they register, which mixes the hosts
+    where = _where(["node-b", HERE, "node-b", "node-a", HERE])
+    order = placement.host_order(where, ids=[0, 1, 2, 3, 4])
+    assert [where[i]["host"] for i in order] == [
+        HERE,
+        HERE,
+        "node-a",
+        "node-b",
+        "node-b",
+    ]
+    assert order == [1, 4, 3, 0, 2]  # by engine id within a host
+
+
 def test_engines_without_gpus_run_gloo_and_need_a_shared_store(tmp_path):
     with pytest.raises(ValueError, match="store_dir=.*DTLAB_STORE_DIR"):
         placement.place(_where(["node-a", "node-b"]), "auto")

@@ -23,6 +23,7 @@ process a function runs in is told by where it lives:
     every rank at a glance;
   - :mod:`~dtlab.lab.lifeline` (run in every process of the cluster) and
     :mod:`~dtlab.lab.teardown` (in the kernel): nothing outlives its kernel;
+  - :mod:`~dtlab.lab.replicas`: a training run that survives a lost replica;
   - :mod:`~dtlab.lab.timing`: how long the cluster makes a learner wait;
   - :mod:`~dtlab.lab.training`: training on the cluster, live or in the background;
   - :mod:`~dtlab.lab.figures`: every chapter's figures, the dashboard, live figures;

@@ -80,7 +80,7 @@ class LabCluster:
         call_timeout: float = 600.0,
         engines: str = "local",
         start_timeout: float = 120.0,
-        heartbeat_ms: int = 500,
+        heartbeat_ms: int = 100,
         profile_dir: str | os.PathLike | None = None,
         check_collectives: bool = False,
         store_dir: str | os.PathLike | None = None,
@@ -207,14 +207,19 @@ class LabCluster:
             )
             phase("engines registered")
             ids = sorted(self.client.ids)[: self.world_size]
-            # explicit rank map: sorted engine ids -> ranks 0..N-1
+            # an explicit rank map (engine ids are not ranks): by engine id, to
+            # ask each engine where it runs, then by host
             self.rank_to_engine = dict(enumerate(ids))
             self.connect_view()
             where = self.view.apply_async(world.whereami).get(
                 timeout=self.start_timeout
             )
             phase("torch imported")
-            self.place(where)
+            # each host's ranks contiguous (placement.host_order)
+            order = placement.host_order(where, ids)
+            self.rank_to_engine = {r: ids[i] for r, i in enumerate(order)}
+            self.connect_view()
+            self.place([where[i] for i in order])
             # the first setup also imports torch on every engine: on a busy machine
             # that alone takes tens of seconds, so it gets the start-up budget
             self._init_world(wait=self.start_timeout + self.timeout)

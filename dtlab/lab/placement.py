@@ -7,9 +7,11 @@ Two decisions, both before any process group exists:
 - :func:`check_request`: can *this* machine give what ``LabCluster(world_size,
   backend=...)`` asks for? Only without a profile: a profile's engines may run
   elsewhere, and are checked once they report.
+- :func:`host_order`: ranks follow hosts (each host's contiguous, the notebook's
+  first), then engine ids;
 - :func:`place`: from what each engine reported (``pid``, ``host``, ``cpus``,
   ``gpus``, ``visible``: :func:`dtlab.lab.engine.world.whereami`), rank ``r`` is the
-  ``r``-th engine (sorted engine ids); each rank's GPU is its position among the
+  ``r``-th engine in that order; each rank's GPU is its position among the
   engines of its own host that see the same GPUs; ``backend="auto"`` becomes nccl
   when every engine sees a GPU. A world that spans hosts meets in a folder they
   all share (:func:`rendezvous_folder`), as nothing may listen for it.
@@ -154,6 +156,19 @@ def place(
             "DTLAB_STORE_DIR), the same path on every host"
         )
     return placement
+
+
+def host_order(where: list[dict], ids: list[int], here: str | None = None):
+    """The engines (indices into ``where``, which lists them by engine id ``ids``)
+    in rank order: each host's contiguous, this machine's (``here``) first, then
+    by engine id. A layout's innermost axis, tensor parallelism, then stays
+    within a host (ipyparallel numbers engines in the order they register, which
+    mixes hosts)."""
+    here = here or os.uname().nodename
+    return sorted(
+        range(len(where)),
+        key=lambda i: (where[i]["host"] != here, where[i]["host"], ids[i]),
+    )
 
 
 def rendezvous_folder(

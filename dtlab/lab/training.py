@@ -27,10 +27,12 @@ stopped: :func:`start_run` trains in a background thread and returns a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dtlab.events import Kind
+from dtlab.lab import replicas
 from dtlab.lab.engine.training import train_rank, train_rank_stoppable
 from dtlab.train import TrainConfig
 
@@ -43,6 +45,9 @@ class TrainRun:
     records: list[list[dict]]  # records[rank][step]
     events: list[dict] = field(default_factory=list, repr=False)
     live: object | None = field(default=None, repr=False)  # the LiveFigure, if any
+    # survive=True: each lost replica and what it cost (dtlab.lab.replicas)
+    lost: list[dict] = field(default_factory=list)
+    seconds: float | None = None  # wall-clock time of the whole run
 
     def by_rank(self, key: str) -> dict[int, list]:
         """``{rank: [record[key] per step]}``."""
@@ -62,17 +67,23 @@ def train(
     *,
     publish_interval: float = 0.1,
     reference: list[float] | None = None,
+    survive: bool = False,
 ) -> TrainRun:
     """Train ``config`` on every rank of ``cluster``; return a :class:`TrainRun`.
 
     ``live=True`` shows a loss plot (one line per rank, ``reference`` losses dashed)
     that updates while the ranks train. ``on_records(batch)`` receives every batch
     of step records as it arrives. ``timeout`` bounds the whole run; an error on a
-    rank comes back as :class:`dtlab.launch.RankError` naming it.
+    rank comes back as :class:`dtlab.launch.RankError` naming it. ``survive=True``:
+    an engine that dies mid-run is replaced and the run goes on from a replica's
+    state (data parallelism with DDP: :mod:`dtlab.lab.replicas`); ``run.lost``
+    says what it cost.
     """
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a dtlab.train.TrainConfig, got {config!r}")
     config.check(cluster.world_size)  # fail here, before any engine starts
+    if survive:
+        replicas.check(config, cluster.world_size)
     figure = None
     if live:
         from dtlab.lab.figures.data_parallel import loss_figure
@@ -91,17 +102,29 @@ def train(
             on_records(steps)
 
     streaming = live or on_records is not None
-    records = cluster.run(
-        train_rank,
-        config,
-        timeout=timeout,
-        record=True,
-        on_events=on_events if streaming else None,
-        publish_interval=publish_interval,
-    )
+    if survive:
+        out, lost, seconds = replicas.train_surviving(
+            cluster,
+            config,
+            on_events=on_events if streaming else None,
+            timeout=timeout,
+            publish_interval=publish_interval,
+        )
+        records = [o["records"] for o in out]
+    else:
+        t0 = time.perf_counter()
+        records = cluster.run(
+            train_rank,
+            config,
+            timeout=timeout,
+            record=True,
+            on_events=on_events if streaming else None,
+            publish_interval=publish_interval,
+        )
+        lost, seconds = [], time.perf_counter() - t0
     if figure is not None:
         figure.flush()
-    return TrainRun(config, records, list(cluster.last_events), figure)
+    return TrainRun(config, records, list(cluster.last_events), figure, lost, seconds)
 
 
 def _display(widget) -> None:

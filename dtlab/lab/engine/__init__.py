@@ -20,6 +20,10 @@ and calls the functions of this package there, each in that engine's own process
 - :mod:`~dtlab.lab.engine.stop`: the signal handler the Stop button reaches;
 - :mod:`~dtlab.lab.engine.training`: the training loops the notebook's
   :func:`dtlab.lab.training.train` and :func:`~dtlab.lab.training.start_run` run;
+- :mod:`~dtlab.lab.engine.replica`: a training run that keeps copies of its state,
+  to resume on a new engine from a replica's (:mod:`dtlab.lab.replicas`);
+- :mod:`~dtlab.lab.engine.rawdist`: raw ``torch.distributed`` calls recorded on
+  the board like ``dtlab.comm``'s;
 - :mod:`~dtlab.lab.engine.drill`: the interview drill's runs on every rank;
 - :mod:`~dtlab.lab.engine.collectives`: the collectives the README picture times.
 
