@@ -126,6 +126,21 @@ def test_publish_sink_batches_under_fresh_keys():
     assert [len(v) for b in published for v in b.values()] == [3, 3, 1]
 
 
+def test_publish_sink_sends_a_lone_event_without_waiting_for_the_next():
+    # a rank that emits one event and then computes for seconds: the sink's own
+    # thread sends it once it is ``interval`` old, not at the rank's next event
+    published = []
+    sink = PublishSink(interval=0.05, publish=published.append)
+    rec = telemetry.Recorder(0, [sink])
+    rec.emit("comm", i=0)  # fresh sink: not yet ``interval`` since the last send
+    deadline = time.monotonic() + 30  # generous: a loaded machine
+    while not published and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [e["i"] for b in published for v in b.values() for e in v] == [0]
+    rec.close()  # ends the thread; nothing left to send
+    assert len(published) == 1
+
+
 def _skip_collective_on(missing):
     import torch.distributed as dist
 

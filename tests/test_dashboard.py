@@ -2,6 +2,8 @@
 pipeline's neighbours), the views keep bounded windows and a throttle, they are
 redrawn *while* the ranks train, and comparisons are built from real runs."""
 
+import time
+
 import pytest
 
 pytest.importorskip("plotly")
@@ -77,8 +79,16 @@ class _Clock:
 
 def test_dashboard_throttles_and_keeps_bounded_windows():
     clock = _Clock()
+    # trailing=False: on this fake clock, a trailing redraw (real time) would
+    # come at a real-time moment the count below cannot foresee
     board = Dashboard(
-        BASE, 2, min_interval=0.2, loss_window=5, traffic_steps=3, clock=clock
+        BASE,
+        2,
+        min_interval=0.2,
+        trailing=False,
+        loss_window=5,
+        traffic_steps=3,
+        clock=clock,
     )
     assert len(board.updates) == 0  # built empty, not redrawn yet
     drawn = []
@@ -102,6 +112,21 @@ def test_dashboard_throttles_and_keeps_bounded_windows():
     # a new run starts from empty views
     board.reset(BASE, 2)
     assert list(board.figures["loss"].data) == [] and board.received == 0
+
+
+def test_what_the_throttle_held_back_is_drawn_without_another_batch():
+    # a rank that goes quiet after a batch (building its optimizer, say): the
+    # held-back batch is drawn once min_interval has passed, not at the next one
+    board = Dashboard(None, 2, min_interval=0.1)  # no predictions: quick
+    first = [{"kind": "step", "rank": r, "step": 0, "loss": 1.0} for r in range(2)]
+    assert board.update(first)  # nothing drawn before: drawn at once
+    assert not board.update([_comm(0, "all_reduce", "dp", 100.0, 0)])  # held back
+    deadline = time.monotonic() + 30  # generous: a loaded machine
+    while board.updates[-1]["why"] != "trailing" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    last = board.updates[-1]
+    assert last["why"] == "trailing" and last["received"] == 3, list(board.updates)
+    assert not board.flush()  # nothing left to draw
 
 
 def test_memory_view_stacks_measured_next_to_predicted():

@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -129,6 +130,11 @@ def test_sigterm_stops_jupyterlab_its_kernels_and_their_clusters(tmp_path):
         )
         assert reply["content"]["status"] == "ok", reply["content"]
         kc.stop_channels()
+        # the page JupyterLab serves says: no news (no pop-up asking for them)
+        with urllib.request.urlopen(f"{base}/lab?token={TOKEN}", timeout=10) as r:
+            page = r.read().decode()
+        found = re.search(r'id="jupyter-config-data"[^>]*>(.*?)</script>', page, re.S)
+        assert json.loads(found.group(1))["news"] == {"disabled": True}
         n = len(_everything_under(proc.pid))
         assert n >= 8, "the server, a kernel, a controller, 2 engines and nannies"
         _stop_and_check(proc, signal.SIGTERM, "SIGTERM")

@@ -6,7 +6,7 @@ Tolerance: none. The newcomer receives a replica's state bit for bit (DDP keeps
 the replicas identical: the same averaged gradients, the same AdamW step), the data
 is a pure function of the step, and the new world reduces in the same ring order
 as the old one (same ranks, same sizes), so every loss equals the uninterrupted
-run's exactly (measured: equal to the last bit, on pure DP and on dp2·tp2).
+run's exactly (measured: equal to the last bit, on pure DP, dp2·tp2 and dp2·pp2).
 """
 
 import os
@@ -53,8 +53,8 @@ def _kill_at(cluster, rank: int, step: int, seen: list):
 
 @pytest.mark.parametrize(
     "layout, victim",
-    [(Layout(dp=4), 2), (Layout(dp=2, tp=2), 1)],
-    ids=["dp4", "dp2-tp2"],
+    [(Layout(dp=4), 2), (Layout(dp=2, tp=2), 1), (Layout(dp=2, pp=2), 3)],
+    ids=["dp4", "dp2-tp2", "dp2-pp2"],
 )
 def test_a_killed_engine_is_replaced_and_the_loss_curve_goes_on(
     cluster, layout, victim

@@ -92,13 +92,14 @@ def call(fn, args, kwargs, record: bool, publish_interval: float, epoch: float):
     try:
         with telemetry.use(rec):
             value = fn(*args, **kwargs)
-        rec.flush()
     except BaseException as exc:
         doing, error = rawdist.current_op() or comm.current_op(), type(exc).__name__
         failure = encode_failure(
             time.time(), doing, f"{error}: {exc}", traceback.format_exc()
         )
         state.broken = f"{error} on rank {state.rank}"
+    if record:
+        rec.close()  # the last events sent, the publishing thread ended
     if failure is not None:
         # outside the except block, so the traceback's frames (and any group they
         # reference) are already released when the groups are torn down

@@ -183,7 +183,9 @@ class Dashboard:
     the newest ``timeline_steps`` steps, the latest memory sample per rank, an N×N
     matrix) and redraws every view at most every ``min_interval`` seconds.
     :attr:`updates` logs each redraw: wall-clock time, newest step, events so far,
-    and why (``update``: a batch the throttle let through; ``flush``, ``reset``).
+    and why (``update``: a batch the throttle let through; ``trailing``: what it
+    held back, drawn once ``min_interval`` has passed, unless ``trailing=False``;
+    ``flush``, ``reset``).
     """
 
     def __init__(
@@ -192,6 +194,7 @@ class Dashboard:
         world_size: int | None = None,
         *,
         min_interval: float = 0.2,
+        trailing: bool = True,
         loss_window: int = 500,
         traffic_steps: int = 30,
         timeline_steps: int = 1,
@@ -209,6 +212,8 @@ class Dashboard:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.min_interval = min_interval
+        self.trailing = trailing
+        self._timer: threading.Timer | None = None  # the throttle's trailing redraw
         self.loss_window = loss_window
         self.traffic_steps = traffic_steps
         self.timeline_steps = timeline_steps
@@ -251,6 +256,9 @@ class Dashboard:
             self.newest_step = -1
             self._last_draw = -math.inf
             self._pending = False
+            if self._timer is not None:
+                self._timer.cancel()  # held back from the previous run
+                self._timer = None
             self.updates.clear()
         if self.views:
             self.redraw("reset")
@@ -279,10 +287,28 @@ class Dashboard:
             for e in events:
                 self._fold(e)
             self._pending = True
-            if self.clock() - self._last_draw < self.min_interval:
+            wait = self.min_interval - (self.clock() - self._last_draw)
+            if wait > 0:
+                self._redraw_later(wait)
                 return False
             self.redraw("update")
             return True
+
+    def _redraw_later(self, wait: float) -> None:
+        """The throttle's trailing edge: what it held back is drawn once the
+        interval is over, even if no batch follows (a rank building its optimizer
+        sends nothing for seconds; measured without it: events drawn 8 s late)."""
+        if not self.trailing or self._timer is not None:
+            return
+        self._timer = threading.Timer(wait, self._redraw_held_back)
+        self._timer.daemon = True  # a kernel that exits does not wait for it
+        self._timer.start()
+
+    def _redraw_held_back(self) -> None:
+        with self._lock:
+            self._timer = None
+            if self._pending:
+                self.redraw("trailing")
 
     __call__ = update
 
