@@ -259,17 +259,12 @@ class ParallelStrategy(Strategy):
                         weights.append(1.0 if self._counted(module, p) else 0.0)
             axes = (self.tp, self.pp)
         else:
-            weights = []  # per element of each shard: 1 where this rank counts it
+            weights = []  # per local shard: 1 where this rank counts it
             for module, wrapper in zip(self.modules, self.wrapped):
-                for shard, lo, entries, _ in wrapper.shards():
-                    mask = torch.zeros(
-                        shard.numel(), dtype=torch.float64, device=shard.device
-                    )
-                    for _, p, off, k in entries:
-                        a, b = max(off, lo), min(off + k, lo + shard.numel())
-                        if a < b and self._counted(module, p):
-                            mask[a - lo : b - lo] = 1.0
-                    weights.append(mask)
+                for shard in wrapper.local_shards():
+                    if shard.tensor.requires_grad:  # what the optimizer steps
+                        counted = self._counted(module, shard.param)
+                        weights.append(1.0 if counted else 0.0)
             axes = (self.dp, self.tp, self.pp)
 
         def norm_fn(grads) -> float:
@@ -373,11 +368,11 @@ class ParallelStrategy(Strategy):
         tied = self.pipe.axes["tied"]
         if not self.config.model.tied_head or tied is None:
             return
-        for module, wrapper in zip(self.modules, self.wrapped):
-            ends = [getattr(module, "wte", None), getattr(module, "head", None)]
-            for shard, _, _, unit in wrapper.shards():
-                if shard.grad is not None and any(unit is e for e in ends if e):
-                    comm.all_reduce(shard.grad, group=tied, tag="tied-embedding")
+        for wrapper in self.wrapped:
+            for shard in wrapper.local_shards():  # the same piece on either end
+                grad = shard.tensor.grad
+                if shard.name in ("wte.weight", "head.weight") and grad is not None:
+                    comm.all_reduce(grad, group=tied, tag="tied-embedding")
 
     # ---- reporting -----------------------------------------------------------------
     def _weights(self):
@@ -447,18 +442,18 @@ class ParallelStrategy(Strategy):
         under ZeRO. A collective over tp and dp."""
         from dtlab.tensor_parallel import _all_gather
 
+        pairs = []  # (the module's own parameter, its name, the full tensor)
         if self.zero_stage is not None:
-            pairs = []
-            for module, wrapper in zip(self.modules, self.wrapped):
+            for wrapper in self.wrapped:
                 full = wrapper.gather_full_params()
-                pairs += [(module, n, full[n]) for n in full]
+                own = wrapper.compute_parameters()  # whatever the module shows now
+                pairs += [(own[n], n, full[n]) for n in full]
         else:
-            pairs = []
             for module, named in self._masters_by_module():
-                pairs += [(module, n, t) for n, t in named]
+                params = dict(module.named_parameters())
+                pairs += [(params[n], n, t) for n, t in named]
         out = {}
-        for module, name, t in pairs:
-            p = dict(module.named_parameters())[name]
+        for p, name, t in pairs:
             dim = getattr(p, "tensor_parallel_dim", None)
             if dim is not None and self.tp.size > 1:
                 t = _all_gather(t.contiguous(), dim, self.tp, "gather_full")
