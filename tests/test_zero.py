@@ -547,7 +547,7 @@ def _frozen_and_unused(opt_name):
     r = torch.distributed.get_rank()
     cls, options = EXACT_OPTIMIZERS[opt_name]
     runs = {f"stage{s}": dict(stage=s) for s in (0, 1, 2, 3)}
-    runs |= {f"offload{s}": dict(stage=s, offload=True) for s in (2, 3)}
+    runs |= {f"offload{s}": dict(stage=s, offload=True) for s in (0, 1, 2, 3)}
     out = {}
     for name, kw in runs.items():
         model = FullyShardedDataParallel(_branchy(), None, g, **kw)

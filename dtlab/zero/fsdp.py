@@ -146,6 +146,7 @@ class FullyShardedDataParallel(ShardedState):
             if fsdp is not None and steps_ours(optimizer):
                 fsdp._dirty = True
                 fsdp._drop_full_grads()  # stages 0-1: the step consumed them
+                fsdp._forget_empty_grads()
                 fsdp._show(local=False)
 
         def before_step(optimizer, args, kwargs):
@@ -237,20 +238,6 @@ class FullyShardedDataParallel(ShardedState):
         i = order.index(u) + 1
         return order[i] if i < len(order) else None
 
-    def _after_unit_forward(self, u, out) -> None:
-        if not self.sharding.shards_params:
-            return
-        if not (u is self._units[0] and self.keep_root_gathered):
-            self._gather.wait(u)
-            u.free()  # P_p: the weights exist only while the unit computes
-        if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(out) if t.requires_grad]
-            if tensors:  # fires once the unit's outputs get their gradients
-                register_multi_grad_hook(
-                    tensors, lambda _g, u=u: self._before_backward(u), mode="any"
-                )
-        memory.current().update()
-
     def _await_backward(self, out) -> None:
         """Mark this forward as waiting for its backward, until one of its outputs
         gets a gradient or all of them are gone."""
@@ -278,6 +265,40 @@ class FullyShardedDataParallel(ShardedState):
             t.register_hook(on_grad)
             weakref.finalize(t, gone)
 
+    # ---- P_os+g+p (stage 3): gathered before each use, freed after it ----------
+    def _after_unit_forward(self, u, out) -> None:
+        if not self.sharding.shards_params:
+            return
+        if not self._keeps_gathered(u):
+            self._gather.wait(u)
+            u.free()  # the weights exist only while the unit computes
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(out) if t.requires_grad]
+            if tensors:  # fires once the unit's outputs get their gradients
+                register_multi_grad_hook(
+                    tensors, lambda _g, u=u: self._before_backward(u), mode="any"
+                )
+        memory.current().update()
+
+    def _before_backward(self, u) -> None:
+        self._start_backward()
+        if not u.reduced:
+            self._before_unit(u, "bwd")  # gathered again
+
+    def _reshard(self, u, everything: bool = False) -> None:
+        """Free ``u``'s full weights once its backward is over (``everything``: at
+        the end of backward, a kept root and unused prefetches too)."""
+        if not self.sharding.shards_params or u.master is None:
+            return
+        if everything or not self._keeps_gathered(u):
+            self._gather.wait(u)
+            if u.gathered:
+                u.free()
+
+    def _keeps_gathered(self, u) -> bool:
+        # FSDP2's habit for its root: kept from forward to backward
+        return u is self._units[0] and self.keep_root_gathered
+
     # ---- backward --------------------------------------------------------------
     def _start_backward(self) -> None:
         if self._in_backward:
@@ -294,11 +315,6 @@ class FullyShardedDataParallel(ShardedState):
         # runs once the whole backward pass is done (as DDP and FSDP do)
         Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
 
-    def _before_backward(self, u) -> None:
-        self._start_backward()
-        if not u.reduced:
-            self._before_unit(u, "bwd")  # P_p: gathered again for its backward
-
     @torch.no_grad()
     def _reduce(self, u) -> None:
         """``u``'s gradients are complete: bucket them, free stage 3's weights, start
@@ -307,11 +323,7 @@ class FullyShardedDataParallel(ShardedState):
         if u.master is None or u.n_grads == 0:
             return
         flat, with_grad = self._reducer.bucket(u)
-        if self.sharding.shards_params and not (
-            u is self._units[0] and self.keep_root_gathered
-        ):
-            self._gather.wait(u)
-            u.free()  # reshard: its backward is over
+        self._reshard(u)
         if self.sharding.keeps_full_grads:
             u.flat_grad = flat  # the module's .grad are views of it until the step
             if not self.require_backward_grad_sync:
@@ -343,11 +355,8 @@ class FullyShardedDataParallel(ShardedState):
             if not u.reduced and u.n_grads:
                 self._reduce(u)
         self._reducer.drain(block=True)
-        if self.sharding.shards_params:
-            for u in self._units:
-                self._gather.wait(u)  # a prefetch nobody used
-                if u.gathered and u.master is not None:
-                    u.free()
+        for u in self._units:
+            self._reshard(u, everything=True)  # a prefetch nobody used, a kept root
         self._in_backward = False
         self._show_shards_when_done()
         memory.current().update()

@@ -16,14 +16,14 @@ passes add into it without communicating. Stages 2-3 free it as soon as its
 reduce-scatter is done: the full gradient of a unit never outlives its reduction,
 which is the memory ZeRO-2 saves.
 
-:meth:`Reducer.finish` divides the sum by N (a power of two divides exactly, so
-``(a + b) / 2`` has the bits of DDP's ``a/2 + b/2``), moves it where the master
-lives (:mod:`~dtlab.zero.offload`) and hands each local shard its part as ``.grad``:
-views of the one averaged slice, no copy, added to what an earlier backward of the
-same step left. A parameter that got no gradient in this backward is skipped, so a
-frozen or unused one keeps ``.grad = None`` (assumed the same on every rank, as in
-FSDP: a parameter some ranks use and others not has its gradient dropped by the
-ranks that did not use it).
+:meth:`Reducer.finish` divides the sum by N (by a power of two exactly, barring
+subnormals: ``(a + b) / 2`` has the bits of DDP's ``a/2 + b/2``), moves it where
+the master lives (:mod:`~dtlab.zero.offload`) and hands each local shard its part
+as ``.grad``: views of the one averaged slice, no copy, added to what an earlier
+backward of the same step left. A parameter that got no gradient in this backward
+is skipped, so a frozen or unused one keeps ``.grad = None``. That is decided on each
+rank, as FSDP does, so it assumes every rank takes the same branches: the ranks that
+did not use a parameter others used drop its averaged gradient.
 
 At most ``max_inflight`` reductions are in flight; beyond that, backward waits for
 the oldest (FSDP2 bounds its reduce-scatters the same way).

@@ -3,25 +3,27 @@
 Taught in chapter 03. Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
 Training Trillion Parameter Models" (SC20), §5. Plain data parallelism keeps the
 whole model state on each of the N_d ranks: 2Ψ bytes of weights, 2Ψ of gradients,
-KΨ of optimizer state. Each stage removes one of the copies, and each flag below is
-read in exactly one place of :mod:`dtlab.zero`:
+KΨ of optimizer state. Each stage removes one more of the copies:
 
-=====  ============  ==============================================================
-stage  paper         what it adds (and where the code does it)
-=====  ============  ==============================================================
-0      (baseline)    nothing sharded: the gradient is all-reduced (``reduce.py``)
-1      P_os  §5.1    ``shards_optimizer``: each rank steps a 1/N slice of the fp32
-                     master weights, so it holds 1/N of the optimizer state; the
-                     updated slices are all-gathered (``units.py``, ``gather.py``)
-2      P_os+g §5.2   ``shards_grads``: the gradient is reduce-scattered and the full
-                     bucket freed at once, micro-batch by micro-batch (``reduce.py``)
-3      P_os+g+p §5.3 ``shards_params``: the full weights exist only around a unit's
-                     forward and backward: gathered, used, freed (``gather.py``)
-=====  ============  ==============================================================
+======  ==========  ===========================================================
+stage   the paper   what it adds, and where the code does it
+======  ==========  ===========================================================
+0                   nothing sharded: the gradient is all-reduced (``reduce.py``)
+1       P_os §5.1   ``shards_optimizer``: each rank steps a 1/N slice of the
+                    fp32 master weights, so it holds 1/N of the optimizer state;
+                    gradients are reduce-scattered, the updated slices
+                    all-gathered (``units.py``, ``reduce.py``, ``gather.py``)
+2       P_os+g      ``shards_grads``: a unit's full gradient bucket is freed as
+        §5.2        soon as its reduce-scatter is done, micro-batch by
+                    micro-batch (``reduce.py``)
+3       P_os+g+p    ``shards_params``: a unit's full weights exist only around its
+        §5.3        forward and backward: gathered, used, freed (``fsdp.py``'s
+                    P_os+g+p section, ``gather.py``)
+======  ==========  ===========================================================
 
 ``keeps_full_grads`` is the other side of ``shards_grads``: stages 0 and 1 hold the
 full gradient anyway, so they keep it until the optimizer step (the module's
-``.grad`` views it) and may accumulate micro-batches in it under ``no_sync``.
+``.grad`` are views of it) and may accumulate micro-batches in it under ``no_sync``.
 """
 
 from __future__ import annotations

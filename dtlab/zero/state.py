@@ -77,9 +77,14 @@ class ShardedState(nn.Module):
         self._gather = Gatherer(
             self.sharding, self.placement, process_group, self._in_flight
         )
-        self._shards = [
-            e.shard for u in self._units for e in u.entries if e.shard.tensor.numel()
-        ]
+        shards = [e.shard for u in self._units for e in u.entries]
+        self._shards = [s for s in shards if s.tensor.numel()]  # what optimizers step
+        self._empty = [s for s in shards if not s.tensor.numel()]  # only shown
+
+    def _forget_empty_grads(self) -> None:
+        # an empty piece holds a gradient only to be shown; after a step it is stale
+        for s in self._empty:
+            s.tensor.grad = None
 
     def _show(self, local: bool) -> None:
         for u in self._units:
