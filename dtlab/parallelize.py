@@ -422,7 +422,7 @@ class ParallelStrategy(Strategy):
         if self.zero_stage is None:
             model = [m.state_dict() for m in self.modules]
         else:
-            model = [w.state_dict() for w in self.wrapped]  # the flat master shards
+            model = [w.state_dict() for w in self.wrapped]  # the local shards
         return copy.deepcopy({"model": model, "optimizer": self.optimizer.state_dict()})
 
     @torch.no_grad()

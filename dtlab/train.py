@@ -655,7 +655,7 @@ class _ZeroStrategy(_DataParallel):
         return self.model.gather_full_params()
 
     def model_state(self):
-        return self.model.state_dict()  # this rank's flat master shards
+        return self.model.state_dict()  # this rank's local shards
 
     @torch.no_grad()
     def load_model_state(self, state):

@@ -1,6 +1,9 @@
 """ZeRO stages 0-3: parity with the single-process reference, with each other, with
 PyTorch's ZeroRedundancyOptimizer (stage 1) and FSDP2 fully_shard (stage 3); mixed
-precision, CPU offload, gradient accumulation; sharded checkpoints and resharding.
+precision, CPU offload, gradient accumulation; sharded checkpoints and resharding;
+frozen and unused parameters left alone by the optimizer, bit for bit against plain
+torch optimizers; the module's own gradients after backward; and where fp32 ZeRO is
+exactly one process (and where the order of float sums makes it not).
 
 Everything runs on one 4-engine cluster; the 2-rank cases use a process group of
 ranks 0 and 1 (ranks 2 and 3 sit that run out), so no second cluster is started."""
@@ -643,6 +646,46 @@ def test_frozen_and_unused_parameters_never_move_nor_age(cluster):
             assert float(runs["stage3"]["state"]["head.bias"]["step"]) == 4
         moved = [k for k in ref_params if not torch.equal(ref_params[k], initial[k])]
         assert len(moved) == len(ref_params) - len(FROZEN)  # the rest did train
+
+
+def _reshard_branchy(path):
+    """The branchy model at stage 3 on 4 ranks, 3 AdamW steps (the side branches
+    stepped twice, the frozen layers never), saved; then loaded on 2 ranks at stage
+    1. The weights and the optimizer state, gathered whole, before and after."""
+    import torch.distributed as dist
+
+    from dtlab.checkpoint import gather_full_optimizer_state, load_sharded, save_sharded
+    from dtlab.zero import FullyShardedDataParallel
+
+    cls, options = EXACT_OPTIMIZERS["adamw"]
+    model = FullyShardedDataParallel(_branchy(), None, dist.group.WORLD, stage=3)
+    opt = cls(model.parameters(), **options)
+    for step in range(3):
+        _branchy_loss(model, step, dist.get_rank(), 4).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    save_sharded(path, model, opt)
+    saved = (model.gather_full_params(), gather_full_optimizer_state(model, opt))
+    g2 = _group(2)
+    if g2 is None:
+        return None
+    model = FullyShardedDataParallel(_branchy(), None, g2, stage=1)
+    opt = cls(model.parameters(), **options)
+    load_sharded(path, model, opt)
+    return saved, (model.gather_full_params(), gather_full_optimizer_state(model, opt))
+
+
+def test_a_checkpoint_keeps_which_parameters_have_optimizer_state(cluster, tmp_path):
+    out = cluster.run(_reshard_branchy, str(tmp_path / "ckpt"), timeout=120)[0]
+    (saved_params, saved_state), (params, state) = out
+    _assert_params_equal(params, saved_params)
+    assert not set(FROZEN) & saved_state.keys()  # never had a gradient: no state
+    assert state.keys() == saved_state.keys()
+    for name, st in saved_state.items():
+        for key, value in st.items():  # re-cut from 4 slices into 2, exactly
+            assert torch.equal(state[name][key], value), (name, key)
+    assert float(state["blocks.0.side.weight"]["step"]) == 2
+    assert float(state["blocks.0.a.weight"]["step"]) == 3
 
 
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
