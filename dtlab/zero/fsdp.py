@@ -241,7 +241,7 @@ class FullyShardedDataParallel(ShardedState):
     def _await_backward(self, out) -> None:
         """Mark this forward as waiting for its backward, until one of its outputs
         gets a gradient or all of them are gone."""
-        tensors = [t for t in _tensors(out) if t.requires_grad]
+        tensors = _needing_grad(out)
         if not tensors:
             return
         key = next(self._forward_ids)
@@ -273,7 +273,7 @@ class FullyShardedDataParallel(ShardedState):
             self._gather.wait(u)
             u.free()  # the weights exist only while the unit computes
         if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(out) if t.requires_grad]
+            tensors = _needing_grad(out)
             if tensors:  # fires once the unit's outputs get their gradients
                 register_multi_grad_hook(
                     tensors, lambda _g, u=u: self._before_backward(u), mode="any"
@@ -403,6 +403,6 @@ class FullyShardedDataParallel(ShardedState):
         memory.current().update()
 
 
-def _tensors(out) -> list[torch.Tensor]:
-    """Every tensor inside a (nested) tuple/list/dict output."""
-    return [t for t in tree_leaves(out) if torch.is_tensor(t)]
+def _needing_grad(out) -> list[torch.Tensor]:
+    """The tensors inside a (nested) output that backward will reach."""
+    return [t for t in tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]

@@ -11,7 +11,7 @@ Taught in chapter 03. Rajbhandari et al. 2020, §5.1 and §5.3:
   once its gradients are reduced (:meth:`Gatherer.start`, :meth:`Gatherer.wait`,
   :meth:`dtlab.zero.units.FlatUnit.free`): 2Ψ of gathers plus the gradients'
   reduce-scatter, 3Ψ a step. While one unit computes, the next one's gather is
-  already on the wire (prefetch; Zhao et al. 2023, "PyTorch FSDP", §3.3).
+  already on the wire (prefetch; Zhao et al. 2023, "PyTorch FSDP", §3.4).
 
 Under a ``compute_dtype`` the weights travel cast (bf16: half the bytes), and a
 unit's backward gathers the same cast slice as its forward: no step came between.
