@@ -160,11 +160,12 @@ class Parallelized:
         from dtlab.tensor_parallel import all_gather_along
 
         tp = self.topo.axis("tp")
-        pairs = []
+        pairs = []  # (the module's own parameter, its name, the full tensor)
         if self.zero_stage is not None:
-            for module, wrapper in zip(self.modules, self.wrapped):
+            for wrapper in self.wrapped:
                 full = wrapper.gather_full_params()
-                pairs += [(module, n, full[n]) for n in full]
+                own = wrapper.compute_parameters()  # whatever the module shows now
+                pairs += [(own[n], n, full[n]) for n in full]
         else:
             masters = iter(self.optimizer.masters)
             for module in self.modules:
@@ -172,11 +173,10 @@ class Parallelized:
                 for n, p in module.named_parameters():
                     if id(p) not in seen and p.requires_grad:
                         seen.add(id(p))
-                        pairs.append((module, n, next(masters).detach()))
+                        pairs.append((p, n, next(masters).detach()))
         out = {}
         mc = self.config.model
-        for module, name, t in pairs:
-            p = dict(module.named_parameters())[name]
+        for p, name, t in pairs:
             dim = getattr(p, "tensor_parallel_dim", None)
             if dim is not None and tp.size > 1:
                 t = all_gather_along(t.contiguous(), dim, tp, "gather_full")
@@ -194,7 +194,7 @@ class Parallelized:
         if self.zero_stage is None:
             model = [m.state_dict() for m in self.modules]
         else:
-            model = [w.state_dict() for w in self.wrapped]  # the flat master shards
+            model = [w.state_dict() for w in self.wrapped]  # the local shards
         return copy.deepcopy({"model": model, "optimizer": self.optimizer.state_dict()})
 
     @torch.no_grad()
@@ -391,17 +391,11 @@ def _norm_fn(parts: Parallelized):
                     weights.append(1.0 if _counted(parts, module, p) else 0.0)
         axes = ("tp", "pp")
     else:
-        weights = []  # per element of each shard: 1 where this rank counts it
+        weights = []  # per local shard: 1 where this rank counts it
         for module, wrapper in zip(parts.modules, parts.wrapped):
-            for shard, lo, entries, _ in wrapper.shards():
-                mask = torch.zeros(
-                    shard.numel(), dtype=torch.float64, device=shard.device
-                )
-                for _, p, off, k in entries:
-                    a, b = max(off, lo), min(off + k, lo + shard.numel())
-                    if a < b and _counted(parts, module, p):
-                        mask[a - lo : b - lo] = 1.0
-                weights.append(mask)
+            for shard in wrapper.local_shards():
+                if shard.tensor.requires_grad:  # what the optimizer steps
+                    weights.append(1.0 if _counted(parts, module, shard.param) else 0.0)
         axes = ("dp", "tp", "pp")
     groups = [parts.topo.axis(a) for a in axes]
 

@@ -223,16 +223,16 @@ class Trainer:
 
     def _sum_tied_shards(self) -> None:
         """A tied embedding across pipeline stages under ZeRO: the first stage's
-        embedding unit and the last stage's head unit hold matching flat slices;
+        embedding unit and the last stage's head unit hold matching local shards;
         their gradients are summed over the two ranks."""
         tied = self.parts.pipe.axes["tied"]
         if not self.config.model.tied_head or tied is None:
             return
-        for module, wrapper in zip(self.parts.modules, self.parts.wrapped):
-            ends = [getattr(module, "wte", None), getattr(module, "head", None)]
-            for shard, _, _, unit in wrapper.shards():
-                if shard.grad is not None and any(unit is e for e in ends if e):
-                    comm.all_reduce(shard.grad, group=tied, tag="tied-embedding")
+        for wrapper in self.parts.wrapped:
+            for shard in wrapper.local_shards():  # the same piece on either end
+                grad = shard.tensor.grad
+                if shard.name in ("wte.weight", "head.weight") and grad is not None:
+                    comm.all_reduce(grad, group=tied, tag="tied-embedding")
 
     def _local_loss(self, losses) -> float:
         """This rank's mean loss over its micro-batches; with a pipeline it lives
