@@ -12,7 +12,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from dtlab.checks import integer, positive_int
-from dtlab.events import CHECKPOINTING, PRECISIONS, SCHEDULES, STRATEGIES
+from dtlab.events import (
+    CHECKPOINTING,
+    CP_VARIANTS,
+    PRECISIONS,
+    SCHEDULES,
+    STRATEGIES,
+)
 from dtlab.model import GPTConfig
 from dtlab.parallelize import check_composition
 from dtlab.topology import Layout
@@ -39,6 +45,9 @@ class TrainConfig:
       ``interleaved``, ``zb_h1``), ``microbatches`` per flush and dp rank (None: pp),
       ``chunks`` (virtual stages per rank, interleaved only).
     - Tensor parallelism (chapter 04): ``sequence_parallel`` (needs tp > 1).
+    - Context parallelism (chapter 11, when the layout's ``cp > 1``):
+      ``cp_variant``, ``"ring"`` or ``"ulysses"``. Expert parallelism (``ep > 1``)
+      needs a mixture of experts in ``model`` (``n_experts > 1``).
     - ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (chapter 06, :mod:`dtlab.amp`:
       16-bit compute with fp32 master weights; fp16 adds the dynamic loss scaler).
     - ``activation_checkpointing``: ``"none"``, ``"selective"`` (recompute the
@@ -68,6 +77,8 @@ class TrainConfig:
     chunks: int = 1
     # ---- tensor parallelism (chapter 04)
     sequence_parallel: bool = False
+    # ---- context parallelism (chapter 11, when cp > 1)
+    cp_variant: str = "ring"
     # ---- precision (chapter 06) and activation memory (chapter 08)
     precision: str = "fp32"
     activation_checkpointing: str = "none"
@@ -100,6 +111,7 @@ class TrainConfig:
             ("schedule", SCHEDULES),
             ("precision", PRECISIONS),
             ("activation_checkpointing", CHECKPOINTING),
+            ("cp_variant", CP_VARIANTS),
         )
         for name, allowed in choices:
             if getattr(self, name) not in allowed:

@@ -61,6 +61,9 @@ class DistributedDataParallel(nn.Module):
       the buckets still in flight; ``.grad`` then holds the average.
     - ``no_sync()``: forward passes inside it skip the all-reduce, so their
       gradients accumulate locally; the first backward outside it averages the sum.
+    - ``ignored_parameters`` are left out of the buckets and of the initial
+      broadcast (another group keeps them equal: a mixture of experts' experts),
+      as PyTorch's ``_set_params_and_buffers_to_ignore_for_model`` does.
     - Frozen parameters (``requires_grad=False``) are left out of the buckets; a
       parameter used twice (a tied embedding and head) is one parameter, in one bucket,
       its gradient summed by autograd before the hook fires.
@@ -84,6 +87,7 @@ class DistributedDataParallel(nn.Module):
         *,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        ignored_parameters=(),
     ):
         super().__init__()
         if isinstance(bucket_cap_mb, bool) or not isinstance(
@@ -103,10 +107,17 @@ class DistributedDataParallel(nn.Module):
         live = dist.is_available() and dist.is_initialized()
         # a DDP over one rank (or without torch.distributed) is the module itself
         self.world_size = comm.group_size(process_group) if live else 1
+        self._ignored = {id(p) for p in ignored_parameters}
         self._sync_module_states()
 
         names = {id(p): n for n, p in module.named_parameters()}  # tied: once
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        # what DDP leaves alone: frozen parameters, and those another group reduces
+        # (a mixture of experts' experts, reduced over the ranks holding the same)
+        self._params = [
+            p
+            for p in module.parameters()
+            if p.requires_grad and id(p) not in self._ignored
+        ]
         self._names = {id(p): names[id(p)] for p in self._params}
         self.buckets = make_buckets(self._params, self._names, self.bucket_cap_mb)
         self._where = {
@@ -139,7 +150,11 @@ class DistributedDataParallel(nn.Module):
     # ---- set-up -----------------------------------------------------------------
     def _sync_module_states(self) -> None:
         if self.world_size > 1:
-            states = [p.detach() for p in self.module.parameters()]
+            states = [
+                p.detach()
+                for p in self.module.parameters()
+                if id(p) not in self._ignored
+            ]
             states += list(self.module.buffers())
             broadcast_flat(states, self.process_group, tag="ddp-init")
 

@@ -1,0 +1,133 @@
+"""Beyond 3D through ``TrainConfig``: every 4-rank layout with a cp or ep axis that
+composes, and two 8-rank layouts over three axes (dp · cp · ep), train to the
+single-process reference's loss curve; the layouts that do not compose are refused
+before anything runs, saying why.
+
+Tolerances (fp32 on gloo). Ring attention merges its blocks with the online softmax
+(exp of a running max, rescaled sums) where the reference takes one softmax over the
+row: ~1e-7 relative per layer (tests/test_context_parallel.py measures 2.4e-7 on the
+loss). Ulysses runs the reference's own core on fewer heads; its only reordering is
+dp·cp's average. Expert parallelism runs each expert once over the rows of every
+rank: the same sums, in another order. Over 3 AdamW steps at lr 1e-3 these move the
+loss by a few 1e-7 relative (AdamW normalises the update); allowed 2e-6. A wrong
+scale (an expert gradient not divided by the replicas, a cp rank left out of the
+average) misses by 1e-3 or more.
+
+The mixture of experts routes every token to an expert of its own choosing, with a
+capacity that drops nothing and no load-balancing loss: then each token's output
+does not depend on which other tokens share its rank, and the layouts, which give
+the ranks different tokens, compute the reference's function exactly. (With drops or
+the auxiliary loss, routing depends on the batch: data parallelism changes it, as
+it does on any cluster.)
+"""
+
+import pytest
+
+from dtlab.model import GPTConfig
+from dtlab.reference import train_reference
+from dtlab.topology import Layout
+from dtlab.train import TrainConfig
+
+DENSE = GPTConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
+MOE = GPTConfig(
+    n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16,
+    n_experts=4, top_k=2, capacity_factor=None, aux_loss_coef=0.0,
+)  # fmt: skip
+B, STEPS = 8, 3
+
+LAYOUTS_4 = [  # tp = pp = 1; ep divides dp·cp
+    (Layout(dp=2, cp=2), "ring", "ddp"),
+    (Layout(dp=2, cp=2), "ulysses", "ddp"),
+    (Layout(cp=4), "ring", "ddp"),
+    (Layout(cp=4), "ulysses", "ddp"),
+    (Layout(dp=2, cp=2), "ring", "zero2"),
+    (Layout(cp=4), "ulysses", "zero3"),
+    (Layout(dp=4, ep=2), None, "ddp"),
+    (Layout(dp=4, ep=4), None, "ddp"),
+    (Layout(dp=2, cp=2, ep=2), "ring", "ddp"),
+    (Layout(dp=2, cp=2, ep=4), "ulysses", "ddp"),
+    (Layout(cp=4, ep=2), "ring", "ddp"),
+    (Layout(cp=4, ep=4), "ring", "ddp"),
+]
+LAYOUTS_8 = [
+    (Layout(dp=4, cp=2, ep=2), "ring", "ddp"),
+    (Layout(dp=2, cp=4, ep=4), "ulysses", "ddp"),
+]
+
+
+def _config(layout, variant, strategy):
+    model = MOE if layout.ep > 1 else DENSE
+    return TrainConfig(
+        model=model, layout=layout, strategy=strategy, steps=STEPS,
+        global_batch_size=B, cp_variant=variant or "ring",
+    )  # fmt: skip
+
+
+def _train_many(configs):
+    """On every rank: each config's losses and gradient norms."""
+    from dtlab.train import Trainer
+
+    out = []
+    for config in configs:
+        records = Trainer(config).fit()
+        out.append(
+            {
+                "losses": [r["loss"] for r in records],
+                "norms": [r["grad_norm"] for r in records],
+            }
+        )
+    return out
+
+
+def _check(runs, cases):
+    refs = {
+        name: train_reference(model, steps=STEPS, global_batch_size=B)
+        for name, model in (("dense", DENSE), ("moe", MOE))
+    }
+    for i, (layout, variant, strategy) in enumerate(cases):
+        ref = refs["moe" if layout.ep > 1 else "dense"]
+        what = f"{layout} {variant} {strategy}"
+        for rank_runs in runs:
+            got = rank_runs[i]
+            assert got["losses"] == pytest.approx(ref.losses, rel=2e-6), what
+            want = [r["grad_norm"] for r in ref.records]
+            assert got["norms"] == pytest.approx(want, rel=1e-5), what
+
+
+@pytest.mark.cluster
+def test_every_4_rank_layout_with_cp_or_ep_matches_the_reference(lab_cluster):
+    configs = [_config(*case) for case in LAYOUTS_4]
+    for config in configs:
+        config.check(4)
+    runs = lab_cluster(4).run(_train_many, configs, timeout=600)
+    _check(runs, LAYOUTS_4)
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_8_rank_layouts_over_three_axes_match_the_reference(lab_cluster):
+    configs = [_config(*case) for case in LAYOUTS_8]
+    runs = lab_cluster(8).run(_train_many, configs, timeout=600)
+    _check(runs, LAYOUTS_8)
+
+
+@pytest.mark.parametrize(
+    "layout, changes, message",
+    [
+        (Layout(dp=2, tp=2, cp=2), {}, "cp=2 with tp=2 is not composed"),
+        (Layout(pp=2, cp=2), {}, "cp=2 with pp=2 is not composed"),
+        (Layout(cp=4), {"activation_checkpointing": "full"}, "checkpointing"),
+        (Layout(cp=4), {"model": DENSE.__class__(seq_len=12)}, "multiple of 8"),
+        (Layout(cp=4), {"cp_variant": "ulysses", "model": GPTConfig(n_heads=2)},
+         "multiples of 4"),
+        (Layout(dp=4, ep=2), {"model": DENSE}, "has none"),
+        (Layout(dp=4, ep=4), {"model": MOE.__class__(n_experts=2)}, "multiple of 4"),
+        (Layout(dp=4, ep=2), {"strategy": "zero3"}, "not composed"),
+        (Layout(dp=2, tp=2), {"model": MOE}, "mixture of experts with tp=2"),
+        (Layout(dp=4), {"cp_variant": "spiral"}, "cp_variant"),
+    ],
+)  # fmt: skip
+def test_what_does_not_compose_is_refused_with_the_reason(layout, changes, message):
+    base = _config(layout, "ring", "ddp")
+    with pytest.raises(ValueError, match=message):
+        base.replace(**changes).check(layout.world_size)
