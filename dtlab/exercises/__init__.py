@@ -32,7 +32,7 @@ from __future__ import annotations
 import inspect
 
 # each chapter's checkers, then its catalogue of mistakes (which registers itself)
-from dtlab.exercises import ch01_mistakes, ch02_mistakes  # noqa: F401
+from dtlab.exercises import ch01_mistakes, ch02_mistakes, ch03_mistakes  # noqa: F401
 from dtlab.exercises.ch01_collectives import (
     check_ring_all_reduce,
     check_ring_reduce_scatter,
@@ -42,6 +42,11 @@ from dtlab.exercises.ch02_data_parallel import (
     check_grad_hooks,
     check_no_sync_accumulation,
     check_overlapped_hooks,
+)
+from dtlab.exercises.ch03_zero import (
+    check_fsdp_unit,
+    check_zero1_step,
+    check_zero2_hooks,
 )
 from dtlab.exercises.grading import (
     REGISTRY,
@@ -74,6 +79,9 @@ __all__ = [
     "check_overlapped_hooks",
     "check_bucketed_hooks",
     "check_no_sync_accumulation",
+    "check_zero1_step",
+    "check_zero2_hooks",
+    "check_fsdp_unit",
 ]
 
 

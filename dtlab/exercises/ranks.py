@@ -69,7 +69,11 @@ def verdict(exc: launch.RankError) -> Exception:
     first = str(exc).split("\n", 1)[0]
     if "NotImplementedError" in first:
         return NotAttempted(first)
-    doing = "".join(f"\n  rank {r} was {what}" for r, what in sorted(exc.doing.items()))
+    # what each rank was doing matters when one of them was in a collective
+    stuck = any(what.startswith("in ") for what in exc.doing.values())
+    doing = "".join(
+        f"\n  rank {r} was {what}" for r, what in sorted(exc.doing.items()) if stuck
+    )
     return ExerciseFailed(f"your function raised on {first}{doing}")
 
 
