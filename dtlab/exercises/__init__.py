@@ -32,7 +32,12 @@ from __future__ import annotations
 import inspect
 
 # each chapter's checkers, then its catalogue of mistakes (which registers itself)
-from dtlab.exercises import ch01_mistakes, ch02_mistakes, ch03_mistakes  # noqa: F401
+from dtlab.exercises import (  # noqa: F401
+    ch01_mistakes,
+    ch02_mistakes,
+    ch03_mistakes,
+    ch04_mistakes,
+)
 from dtlab.exercises.ch01_collectives import (
     check_ring_all_reduce,
     check_ring_reduce_scatter,
@@ -47,6 +52,10 @@ from dtlab.exercises.ch03_zero import (
     check_fsdp_unit,
     check_zero1_step,
     check_zero2_hooks,
+)
+from dtlab.exercises.ch04_tensor_parallel import (
+    check_row_parallel,
+    check_sequence_parallel,
 )
 from dtlab.exercises.grading import (
     REGISTRY,
@@ -82,6 +91,8 @@ __all__ = [
     "check_zero1_step",
     "check_zero2_hooks",
     "check_fsdp_unit",
+    "check_row_parallel",
+    "check_sequence_parallel",
 ]
 
 
