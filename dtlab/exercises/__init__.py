@@ -37,6 +37,7 @@ from dtlab.exercises import (  # noqa: F401
     ch02_mistakes,
     ch03_mistakes,
     ch04_mistakes,
+    ch05_mistakes,
 )
 from dtlab.exercises.ch01_collectives import (
     check_ring_all_reduce,
@@ -56,6 +57,10 @@ from dtlab.exercises.ch03_zero import (
 from dtlab.exercises.ch04_tensor_parallel import (
     check_row_parallel,
     check_sequence_parallel,
+)
+from dtlab.exercises.ch05_pipeline import (
+    check_one_f_one_b,
+    check_pipeline_executor,
 )
 from dtlab.exercises.grading import (
     REGISTRY,
@@ -93,6 +98,8 @@ __all__ = [
     "check_fsdp_unit",
     "check_row_parallel",
     "check_sequence_parallel",
+    "check_one_f_one_b",
+    "check_pipeline_executor",
 ]
 
 
