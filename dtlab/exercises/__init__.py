@@ -38,6 +38,7 @@ from dtlab.exercises import (  # noqa: F401
     ch03_mistakes,
     ch04_mistakes,
     ch05_mistakes,
+    ch06_mistakes,
 )
 from dtlab.exercises.ch01_collectives import (
     check_ring_all_reduce,
@@ -62,6 +63,7 @@ from dtlab.exercises.ch05_pipeline import (
     check_one_f_one_b,
     check_pipeline_executor,
 )
+from dtlab.exercises.ch06_mixed_precision import check_loss_scaler, check_underflow
 from dtlab.exercises.grading import (
     REGISTRY,
     SUBSTITUTE_ENV,
@@ -100,6 +102,8 @@ __all__ = [
     "check_sequence_parallel",
     "check_one_f_one_b",
     "check_pipeline_executor",
+    "check_loss_scaler",
+    "check_underflow",
 ]
 
 
