@@ -39,6 +39,7 @@ from dtlab.exercises import (  # noqa: F401
     ch04_mistakes,
     ch05_mistakes,
     ch06_mistakes,
+    ch07_mistakes,
 )
 from dtlab.exercises.ch01_collectives import (
     check_ring_all_reduce,
@@ -64,6 +65,7 @@ from dtlab.exercises.ch05_pipeline import (
     check_pipeline_executor,
 )
 from dtlab.exercises.ch06_mixed_precision import check_loss_scaler, check_underflow
+from dtlab.exercises.ch07_layouts import check_layout_defence, check_rank_order
 from dtlab.exercises.grading import (
     REGISTRY,
     SUBSTITUTE_ENV,
@@ -104,6 +106,8 @@ __all__ = [
     "check_pipeline_executor",
     "check_loss_scaler",
     "check_underflow",
+    "check_layout_defence",
+    "check_rank_order",
 ]
 
 
