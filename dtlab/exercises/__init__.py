@@ -41,6 +41,7 @@ from dtlab.exercises import (  # noqa: F401
     ch06_mistakes,
     ch07_mistakes,
     ch08_mistakes,
+    ch09_mistakes,
 )
 from dtlab.exercises.ch01_collectives import (
     check_ring_all_reduce,
@@ -68,6 +69,7 @@ from dtlab.exercises.ch05_pipeline import (
 from dtlab.exercises.ch06_mixed_precision import check_loss_scaler, check_underflow
 from dtlab.exercises.ch07_layouts import check_layout_defence, check_rank_order
 from dtlab.exercises.ch08_memory import check_accumulation, check_checkpointing
+from dtlab.exercises.ch09_planning import check_step_time, check_zero_states
 from dtlab.exercises.grading import (
     REGISTRY,
     SUBSTITUTE_ENV,
@@ -112,6 +114,8 @@ __all__ = [
     "check_rank_order",
     "check_checkpointing",
     "check_accumulation",
+    "check_step_time",
+    "check_zero_states",
 ]
 
 
