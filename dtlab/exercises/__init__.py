@@ -42,6 +42,7 @@ from dtlab.exercises import (  # noqa: F401
     ch07_mistakes,
     ch08_mistakes,
     ch09_mistakes,
+    ch10_mistakes,
 )
 from dtlab.exercises.ch01_collectives import (
     check_ring_all_reduce,
@@ -70,6 +71,8 @@ from dtlab.exercises.ch06_mixed_precision import check_loss_scaler, check_underf
 from dtlab.exercises.ch07_layouts import check_layout_defence, check_rank_order
 from dtlab.exercises.ch08_memory import check_accumulation, check_checkpointing
 from dtlab.exercises.ch09_planning import check_step_time, check_zero_states
+from dtlab.exercises.ch10_cards import CARDS, MockRound, grade
+from dtlab.exercises.ch10_drill import check_ddp_wire_bytes, check_drill
 from dtlab.exercises.grading import (
     REGISTRY,
     SUBSTITUTE_ENV,
@@ -116,6 +119,11 @@ __all__ = [
     "check_accumulation",
     "check_step_time",
     "check_zero_states",
+    "check_ddp_wire_bytes",
+    "check_drill",
+    "CARDS",
+    "grade",
+    "MockRound",
 ]
 
 
