@@ -60,6 +60,7 @@ from dtlab.exercises.ch03_zero import (
     check_zero2_hooks,
 )
 from dtlab.exercises.ch04_tensor_parallel import (
+    check_column_parallel,
     check_row_parallel,
     check_sequence_parallel,
 )
@@ -107,6 +108,7 @@ __all__ = [
     "check_zero1_step",
     "check_zero2_hooks",
     "check_fsdp_unit",
+    "check_column_parallel",
     "check_row_parallel",
     "check_sequence_parallel",
     "check_one_f_one_b",

@@ -203,12 +203,17 @@ def _judge_launches(r: int, rep: dict, sizes: list[int], what: str, ordered: boo
         )
 
 
+def _window(windows: list[tuple], t: float) -> tuple:
+    """The step (backward start, backward end, finish end) that time ``t`` is in."""
+    return next((w for w in windows if t <= w[2]), windows[-1])
+
+
 def _judge_overlap(r: int, rep: dict) -> float:
     """Launched during backward, asynchronously, waited after it; the seconds of
     communication that overlapped the backward's compute."""
     overlapped = 0.0
     for i, launch in enumerate(rep["launches"]):
-        t0, t1, t2 = next(w for w in rep["windows"] if launch["t_launch"] <= w[2])
+        t0, t1, t2 = _window(rep["windows"], launch["t_launch"])
         if launch["t_launch"] > t1:
             raise ExerciseFailed(
                 f"rank {r}: all-reduce {i} was launched after backward returned, so "
@@ -234,7 +239,7 @@ def _judge_overlap(r: int, rep: dict) -> float:
                 "wait for them in finish(), after backward returns."
             )
     for e in rep["events"]:
-        w = next(w for w in rep["windows"] if e["t_start"] <= w[2])
+        w = _window(rep["windows"], e["t_start"])
         overlapped += max(0.0, min(e["t_end"], w[1]) - e["t_start"])
     return overlapped
 

@@ -34,6 +34,42 @@ def _reduce(forward: bool, backward: bool, axis):
     return Reduce.apply
 
 
+# ---- column_parallel -----------------------------------------------------------------
+@mistake("column_parallel", expect="never gathers its weight")
+def gathers_the_weight_then_slices(x, weight_shard, bias_shard, axis):
+    """All-gathers the whole weight, multiplies, keeps its columns: right numbers
+    (the old checker passed it) for t times the memory and the work."""
+    from dtlab import comm
+
+    t = axis.size
+    w = torch.empty(t * weight_shard.shape[0], weight_shard.shape[1])
+    comm.all_gather(w, weight_shard.detach(), group=axis)
+    y = x @ w.T
+    return y.chunk(t, -1)[axis.index] + bias_shard + 0 * weight_shard.sum()
+
+
+@mistake("column_parallel", expect="f all-reduces dL/dX once")
+def forgets_f(x, weight_shard, bias_shard, axis):
+    """No f in front: the output is right, but each rank's dL/dX is only its
+    share of the sum."""
+    return x @ weight_shard.T + bias_shard
+
+
+@mistake("column_parallel", expect="f is the identity forward")
+def uses_g_instead_of_f(x, weight_shard, bias_shard, axis):
+    """Megatron's g where f belongs: all-reduces the input forward (t copies of X
+    summed) and nothing backward."""
+    return _reduce(True, False, axis)(x) @ weight_shard.T + bias_shard
+
+
+@mistake("column_parallel", expect="dtlab.tensor_parallel.copy_to_tp")
+def calls_the_library_f(x, weight_shard, bias_shard, axis):
+    """dtlab's own f: right numbers, nothing written."""
+    from dtlab.tensor_parallel import copy_to_tp
+
+    return copy_to_tp(x, axis) @ weight_shard.T + bias_shard
+
+
 # ---- row_parallel --------------------------------------------------------------------
 @mistake("row_parallel", expect="carries the bias")
 def adds_the_bias_before_the_sum(x_shard, weight_shard, bias, axis):

@@ -9,7 +9,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["row_parallel_linear", "sequence_parallel_mlp"]
+__all__ = ["column_parallel_linear", "row_parallel_linear", "sequence_parallel_mlp"]
+
+
+def column_parallel_linear(x, weight_shard, bias_shard, axis):
+    """``Y_i = X·A_iᵀ + b_i`` with ``A`` split by output rows (Megatron §3, eq. 3):
+    rank i holds ``weight_shard`` (out/t, in) and ``bias_shard`` (out/t) and needs
+    the whole input. f runs in front of it: identity forward; all-reduce backward,
+    since rank i's dL/dX = dL/dY_i·A_i is only one term of the sum over the column
+    slices. The weight's and bias's gradients are complete on each rank."""
+    from dtlab import comm
+
+    class CopyToTP(torch.autograd.Function):  # Megatron's f
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            dx = grad.clone()  # all_reduce sums in place: never autograd's tensor
+            comm.all_reduce(dx, group=axis)  # dL/dX = Σ_i dL/dY_i·A_i
+            return dx
+
+    return CopyToTP.apply(x) @ weight_shard.T + bias_shard  # (…, out/t)
 
 
 def row_parallel_linear(x_shard, weight_shard, bias, axis):

@@ -1,14 +1,15 @@
-"""Chapter 04's exercises: the row-parallel linear with g, and the sequence-parallel
-conversion of an MLP.
+"""Chapter 04's exercises: the column-parallel linear with f, the row-parallel
+linear with g, and the sequence-parallel conversion of an MLP.
 
 Each runs on every rank at every tensor-parallel degree the world allows (tp = 2
 and tp = 4 on four ranks; a tp=2 layout runs two tp groups side by side), against a
 plain ``nn.Linear`` (or a plain MLP) in one process: the output and every gradient,
 shard by shard. The forward and the backward are watched apart, so the checkers
-know which collectives ran where: the row-parallel layer all-reduces once forward
-and never backward; the sequence-parallel MLP all-gathers and reduce-scatters the
-sequence once each way, the bytes of the two all-reduces it replaces, and never
-gathers a weight.
+know which collectives ran where: the column-parallel layer never communicates
+forward and all-reduces dL/dX once backward; the row-parallel layer all-reduces
+once forward and never backward; the sequence-parallel MLP all-gathers and
+reduce-scatters the sequence once each way, the bytes of the two all-reduces it
+replaces, and never gathers a weight.
 """
 
 from __future__ import annotations
@@ -17,17 +18,22 @@ import torch
 from torch import nn
 
 from dtlab import estimate, tensor_parallel
-from dtlab.exercises.ch04_solutions import row_parallel_linear, sequence_parallel_mlp
+from dtlab.exercises.ch04_solutions import (
+    column_parallel_linear,
+    row_parallel_linear,
+    sequence_parallel_mlp,
+)
 from dtlab.exercises.grading import ExerciseFailed, exercise
 from dtlab.exercises.ranks import on_every_rank, rank_and_size, topology, world_size_of
 from dtlab.exercises.watch import Watch
 from dtlab.model import param_generator
 from dtlab.topology import Layout
 
-__all__ = ["check_row_parallel", "check_sequence_parallel"]
+__all__ = ["check_column_parallel", "check_row_parallel", "check_sequence_parallel"]
 
 # sizes chosen so that no activation has a weight's size: a gathered weight shows
 ROW = dict(batch=(2, 3), d_in=12, d_out=10)
+COLUMN = dict(batch=(2, 3), d_in=12, d_out=8)  # d_out, split by tp, divides by 4
 MLP = dict(batch=4, seq=8, d_model=12, d_hidden=24)
 
 LIBRARY = {
@@ -87,6 +93,96 @@ def _diff(a, b) -> float:
     if a.shape != b.shape:
         return float("nan")
     return (a - b).abs().max().item()
+
+
+# ---- 0. the column-parallel linear ---------------------------------------------------
+def probe_column(solution, degrees) -> list[dict]:
+    r, n = rank_and_size()
+    found = []
+    for t in degrees:
+        axis = topology(Layout(dp=n // t, tp=t)).axis("tp")
+        i = axis.index
+        lin = _linear(COLUMN["d_in"], COLUMN["d_out"], "column")
+        x = _randn(
+            *COLUMN["batch"], COLUMN["d_in"], seed=f"col/x/{r // t}"
+        ).requires_grad_()
+        gy = _randn(*COLUMN["batch"], COLUMN["d_out"], seed=f"col/gy/{r // t}")
+        lin(x).backward(gy)  # the reference: the whole layer, in this process
+        x_mine = _leaf(x)
+        w_i = _leaf(lin.weight.chunk(t, 0)[i])
+        b_i = _leaf(lin.bias.chunk(t, 0)[i])
+        with Watch(LIBRARY) as fwd:
+            y = solution(x_mine, w_i, b_i, axis)
+        with Watch(LIBRARY) as bwd:
+            if y.shape == gy.chunk(t, -1)[i].shape:
+                y.backward(gy.chunk(t, -1)[i])
+        found.append(
+            {
+                "t": t,
+                "forward": _ops(fwd),
+                "backward": _ops(bwd),
+                "forbidden": fwd.forbidden + bwd.forbidden,
+                "output Y_i": _diff(y, lin(x).detach().chunk(t, -1)[i]),
+                "dL/dX": _diff(x_mine.grad, x.grad),
+                "dL/dweight shard": _diff(w_i.grad, lin.weight.grad.chunk(t, 0)[i]),
+                "dL/dbias shard": _diff(b_i.grad, lin.bias.grad.chunk(t, 0)[i]),
+            }
+        )
+    return found
+
+
+@exercise(
+    "column_parallel",
+    chapter=4,
+    reference=column_parallel_linear,
+    measures=(
+        "output Y_i and the gradients of X, the weight shard and the bias shard == "
+        "nn.Linear at tp=2 and tp=4; forward no communication, backward exactly "
+        "one all_reduce of dL/dX, no weight gathered"
+    ),
+)
+def check_column_parallel(solution, cluster=None):
+    n = world_size_of(cluster)
+    degrees = _degrees(n)
+    reports = on_every_rank(cluster, probe_column, solution, degrees)
+    b, s = COLUMN["batch"]
+    x_bytes = b * s * COLUMN["d_in"] * 4
+    for r, cases in enumerate(reports):
+        for case in cases:
+            _refuse_library(r, case)
+            where = f"tp={case['t']}, rank {r}"
+            ops = case["forward"] + case["backward"]
+            gathered = [x for op, x in ops if op == "all_gather"]
+            if gathered:
+                raise ExerciseFailed(
+                    f"{where}: you all-gathered {gathered} bytes. A column-parallel "
+                    "layer never gathers its weight: each rank multiplies the whole "
+                    "input by its own rows and keeps its slice of the output."
+                )
+            if case["forward"]:
+                raise ExerciseFailed(
+                    f"{where}: the forward communicated ({case['forward']}). f is "
+                    "the identity forward: each rank's Y_i = X·A_iᵀ needs nothing "
+                    "from the others (the all-reduce forward is g's, behind the "
+                    "row-parallel layer)."
+                )
+            if case["backward"] != [("all_reduce", x_bytes)]:
+                raise ExerciseFailed(
+                    f"{where}: the backward ran {case['backward']}; f all-reduces "
+                    f"dL/dX once ({x_bytes} bytes): each rank's dL/dY_i·A_i is only "
+                    "its term of the sum over the column slices."
+                )
+            _judge_values(
+                r,
+                case,
+                ("output Y_i", "dL/dX", "dL/dweight shard", "dL/dbias shard"),
+                {"output Y_i": "Y_i = f(X)·A_iᵀ + b_i, A_i = the weight shard."},
+            )
+    return [
+        f"output and every gradient equal nn.Linear's at tp={degrees} on all {n} ranks",
+        f"forward: nothing; backward: one all-reduce of dL/dX ({x_bytes} B); no "
+        "weight gathered",
+    ]
 
 
 # ---- 1. the row-parallel linear ------------------------------------------------------
