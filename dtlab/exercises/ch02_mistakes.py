@@ -88,7 +88,7 @@ def waits_in_the_hook(model):
     return lambda: None
 
 
-@mistake("overlapped_hooks", expect="blocking")
+@mistake("overlapped_hooks", expect="was blocking (async_op=False)")
 def blocks_in_the_hook(model):
     """Chapter 02's first step again (a blocking all-reduce per hook), dividing in
     finish(): correct, with no overlap at all."""

@@ -201,7 +201,7 @@ def gathers_without_scattering_back(x_shard, w_fc, b_fc, w_proj, b_proj, axis):
     return gbar(h @ w_proj.T) + b_proj
 
 
-@mistake("sequence_parallel", expect="bias")
+@mistake("sequence_parallel", expect="carries proj's bias")
 def adds_the_bias_before_the_scatter(x_shard, w_fc, b_fc, w_proj, b_proj, axis):
     """Adds proj's bias to the partial outputs, then reduce-scatters: t biases."""
     g, gbar = _sequence_ops(axis)

@@ -30,7 +30,7 @@ def one_warm_up_forward_too_many(stage, p, m):
     return _order(stage, p, m, min(p - stage, m))
 
 
-@mistake("one_f_one_b", expect="bubble")
+@mistake("one_f_one_b", expect="the simulated bubble is")
 def too_few_warm_up_forwards(stage, p, m):
     """A warm-up of p − stage − 2: the stage asks for a gradient too early and
     idles until it comes back, a bigger bubble."""
