@@ -20,7 +20,7 @@ from dtlab import estimate as est
 from dtlab.exercises.ch07_solutions import defend_layout, megatron_coords
 from dtlab.exercises.grading import ExerciseFailed, attempt, exercise
 from dtlab.exercises.ranks import on_every_rank, rank_and_size, topology, world_size_of
-from dtlab.topology import AXES, Layout, layouts_for
+from dtlab.topology import Layout, layouts_for
 
 __all__ = ["check_layout_defence", "check_rank_order", "TOLERANCE"]
 
@@ -32,6 +32,7 @@ BUBBLE_TOLERANCE = 0.002  # absolute: (p−1)/(m+p−1) is exact
 FLOOR_GB = 0.01  # numbers below this are "nothing" on both sides
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
+THREE_AXES = ("pp", "dp", "tp")  # the exercise's (a Layout may also know cp = 1)
 PLAN_KEYS = (
     "layout",
     "zero_stage",
@@ -176,6 +177,10 @@ def check_layout_defence(solution, cluster=None):
     ]
 
 
+def _three(coords: dict) -> dict:
+    return {a: coords[a] for a in THREE_AXES}
+
+
 # ---- 2. the rank order -------------------------------------------------------------
 def probe_rank_order(solution) -> list:
     r, n = rank_and_size()
@@ -183,11 +188,11 @@ def probe_rank_order(solution) -> list:
     for lay in layouts_for(n):
         topo = topology(lay)  # every rank builds every layout's groups, in order
         mine = solution(r, lay.dp, lay.tp, lay.pp)
-        if mine != topo.coords:
-            wrong.append((str(lay), "coords", mine, topo.coords))
+        if mine != _three(topo.coords):
+            wrong.append((str(lay), "coords", mine, _three(topo.coords)))
             continue
-        for axis in AXES:
-            others = [a for a in AXES if a != axis]
+        for axis in THREE_AXES:
+            others = [a for a in THREE_AXES if a != axis]
             group = [
                 q
                 for q in range(n)
@@ -218,11 +223,11 @@ def check_rank_order(solution, cluster=None):
                 "return a dict {'tp': …, 'dp': …, 'pp': …}, not "
                 f"{type(mine).__name__}"
             )
-        if mine != big.coords(q):
+        if mine != _three(big.coords(q)):
             raise ExerciseFailed(
                 f"{big}, rank {q}: you say {mine}, Megatron's order says "
-                f"{big.coords(q)}. tp varies fastest (rank % tp), then dp, then pp: "
-                "a tp group is consecutive ranks, so it fits in a node."
+                f"{_three(big.coords(q))}. tp varies fastest (rank % tp), then dp, "
+                "then pp: a tp group is consecutive ranks, so it fits in a node."
             )
     reports = on_every_rank(cluster, probe_rank_order, solution)
     for r, wrong in enumerate(reports):
