@@ -29,7 +29,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from dtlab.events import Kind
+from dtlab.events import STATE_CATEGORIES, Kind
 from dtlab.frameworks.traffic import CollectiveCounter
 from dtlab.model import GPT, SyntheticTokens, shard_batch
 from dtlab.reference import make_optimizer
@@ -191,7 +191,5 @@ def dtlab_run(config) -> dict:
         "skipped": [r["skipped"] for r in records],
         "loss_scale": [r["loss_scale"] for r in records],
         "traffic": [counter.per_step(s) for s in range(config.steps)],
-        "memory": {
-            k: memory[k] for k in ("params", "grads", "optimizer") if k in memory
-        },
+        "memory": {k: memory[k] for k in STATE_CATEGORIES if k in memory},
     }

@@ -6,13 +6,14 @@ collectives are recorded by :mod:`dtlab.comm`; torch's DDP reducer, FSDP2 and
 DeepSpeed call torch.distributed directly, so dtlab's recorder never sees them.
 They all end in the same dispatcher operators (``c10d.allreduce_``,
 ``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``c10d.broadcast_``,
-...), and a ``TorchDispatchMode`` sees each one on its way to gloo, with its
-tensors and its process group. :class:`CollectiveCounter` records them in
-:mod:`dtlab.comm`'s units: the payload S is the all-reduce buffer, the
-reduce-scatter *input* and the all-gather *output*; the wire bytes are what this
-rank sends under the ring algorithm (:func:`dtlab.estimate.wire_bytes`). Run
-dtlab's trainer under the same counter and the two frameworks are measured with one
-yardstick.
+...), and a ``TorchDispatchMode`` (torch keeps the class in
+``torch.utils._python_dispatch``; its own ``CommDebugMode`` is one) sees each one
+on its way to gloo, with its tensors and its process group.
+:class:`CollectiveCounter` records them in :mod:`dtlab.comm`'s units: the payload
+S is the all-reduce buffer, the reduce-scatter *input* and the all-gather
+*output*; the wire bytes are what this rank sends under the ring algorithm
+(:func:`dtlab.estimate.wire_bytes`). Run dtlab's trainer under the same counter
+and the two frameworks are measured with one yardstick.
 
 Dispatch modes are thread-local: a collective issued from another thread is not
 seen. On CPU, autograd runs backward (and DDP's hooks, which all-reduce from
