@@ -302,7 +302,9 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         V = logits.shape[-1]
-        loss = F.cross_entropy(logits.view(-1, V), targets.reshape(-1))
+        # the loss in fp32 whatever the logits' dtype, as autocast computes it: a
+        # 16-bit loss's gradient S = 2^16 is already inf in fp16 (dtlab.amp)
+        loss = F.cross_entropy(logits.view(-1, V).float(), targets.reshape(-1))
         if self.config.n_experts > 1:  # the MoE layers' load-balancing losses
             loss = loss + moe_aux_loss(self)
         return logits, loss
