@@ -200,7 +200,7 @@ def _stage_memory(
             tp=par.tp,
             sequence_parallel=sequence_parallel,
             bytes_per_value=bpv,
-            logits_bytes=bpv,
+            logits_bytes=4,  # the loss is computed in fp32 (dtlab.model.GPT.output)
         )
         if first:
             acts += first_in_flight * dtlab_saved_bytes_outside_layers(
@@ -344,7 +344,7 @@ def _stage_traffic(
     tokens = b * s // par.cp  # this rank's tokens of one micro-batch
     first, last = stage == 0, stage == par.pp - 1
     # tp: Megatron's 2 + 2 collectives per block, the vocabulary-parallel
-    # embedding (g) and head (f), and the loss's three small all-reduces
+    # embedding (g) and head (f), and the loss's three small fp32 all-reduces
     if par.tp > 1:
         t = par.tp
         S = tokens * h * bpv
@@ -357,7 +357,8 @@ def _stage_traffic(
             mb += wire_bytes("all_reduce", S, t)
         if last:
             mb += wire_bytes("all_reduce", S, t)  # head: f (SP: gather + scatter)
-            mb += 3 * wire_bytes("all_reduce", tokens * bpv, t)  # max, sum, z_t
+            # the loss's max, sum and target logit: fp32, whatever the precision
+            mb += 3 * wire_bytes("all_reduce", tokens * 4, t)
         out["tp"] = k * mb
         if sequence_parallel:
             # the replicated weights of the sequence-split regions (norms,
