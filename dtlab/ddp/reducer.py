@@ -256,6 +256,8 @@ class DistributedDataParallel(nn.Module):
         self._mark_ready(id(param))
 
     def _mark_ready(self, pid: int) -> None:
+        if self._pending:
+            self._stamp_completed()
         self._ready_ids.add(pid)
         self._ready[self._where[pid]] += 1
         # launch in index order, so that every rank issues the same collectives in
@@ -277,19 +279,22 @@ class DistributedDataParallel(nn.Module):
             # divide before summing, as PyTorch's reducer does (keeps fp16 sums in
             # range); exact when N is a power of two
             bucket.buffer.mul_(1.0 / self.world_size)
-        done = [None]  # completion time, stamped on the communication thread
-        entry = {"bucket": bucket, "t_launch": telemetry.clock(), "done": done}
-        handle = comm.all_reduce(
+        entry = {"bucket": bucket, "t_launch": telemetry.clock(), "done": [None]}
+        entry["handle"] = comm.all_reduce(
             bucket.buffer, group=self.process_group, async_op=True, tag="ddp"
         )
-        entry["handle"] = handle
-        # The callback must not reach the handle: a future that (through its
-        # callback) references its own Work is a cycle through C++ that Python's
-        # collector cannot see, and a leaked Work keeps gloo's sockets open.
-        handle.get_future().add_done_callback(
-            lambda _f, d=done: d.__setitem__(0, telemetry.clock())
-        )
         self._pending.append(entry)
+
+    def _stamp_completed(self) -> None:
+        """Note when the buckets in flight completed, as seen from here. (Polled
+        at every gradient hook rather than stamped by a callback on the
+        communication thread: a Python callback there waits for the GIL, which
+        backward holds, and gloo runs the next bucket only after it.)"""
+        now = None
+        for entry in self._pending:
+            if entry["done"][0] is None and entry["handle"].is_completed():
+                now = now or telemetry.clock()
+                entry["done"][0] = now
 
     # ---- backward: the end ----------------------------------------------------------
     def _on_backward_end(self) -> None:
