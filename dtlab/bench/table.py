@@ -42,7 +42,7 @@ def _settings(quick: bool) -> dict:
             "zero": dict(world_sizes=(2,), steps=3, warmup=1),
             "tp": dict(world_size=2, d_model=64, n_heads=4, batch=4, seq_len=32,
                        steps=3, warmup=1),
-            "pp": dict(p=2, steps=3),
+            "pp": dict(p=2, steps=3, bubble_p=None),
             "2d": dict(steps=3, warmup=1, n_layers=2),
             "telemetry": dict(world_size=2, steps=3, overhead_steps=6),
         }  # fmt: skip
@@ -180,11 +180,17 @@ def assemble(collected: dict) -> list[dict]:
                     "speed", "PP 1F1B step", p, st["dtlab 1f1b"] * 1e3,
                     st["torch 1f1b"] * 1e3, "ms", "torch pipelining",
                 ))  # fmt: skip
-            for m, b in r["bubble"].items():
-                rows.append(_row(
-                    "bubble", f"1F1B bubble m={m}", p, b["measured"], b["formula"],
-                    "fraction", "(p-1)/(m+p-1)",
-                ))  # fmt: skip
+            runs = [(p, r["bubble"], "")]
+            if "bubble_small" in r:  # a core per stage: where the formula can hold
+                small = r["bubble_small"]
+                runs.append((small["p"], small["bubble"], "a core per stage"))
+            for stages, bubbles, note in runs:
+                for m, b in bubbles.items():
+                    rows.append(_row(
+                        "bubble", f"1F1B bubble p={stages} m={m}", stages,
+                        b["measured"], b["formula"], "fraction", "(p-1)/(m+p-1)",
+                        note,
+                    ))  # fmt: skip
     if "2d" in res:
         r = res["2d"]
         if "error" in r:
