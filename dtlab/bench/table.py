@@ -149,6 +149,7 @@ def assemble(collected: dict) -> list[dict]:
                 ("ZeRO-1 step", "dtlab stage 1", "torch ZeRO-1",
                  "ZeroRedundancyOptimizer"),
                 ("ZeRO-3 step", "dtlab stage 3", "torch FSDP2", "FSDP2 fully_shard"),
+                ("HSDP step", "dtlab HSDP", "torch FSDP2 HSDP", "FSDP2 HSDP (2D mesh)"),
             )  # fmt: skip
             for n in sorted({x["world_size"] for x in r}):
                 for what, ours, theirs, against in pairs:
