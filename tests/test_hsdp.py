@@ -67,9 +67,13 @@ def _grid(how: str):
     return topo.axis("tp"), topo.axis("dp")
 
 
-def _train(model, opt, rec, steps=STEPS, tracker=None):
+def _train(model, opt, rec, steps=STEPS, tracker=None, micro=1, no_sync=False):
     """AdamW steps, rank r on the r-th quarter of the global batch; the global mean
-    loss of each step. ``tracker``: the model states after the last backward."""
+    loss of each step. ``tracker``: the model states after the last backward.
+    ``micro=2``: two micro-batches a step (``no_sync``: the first under
+    ``model.no_sync()``)."""
+    import contextlib
+
     import torch.distributed as dist
 
     from dtlab import comm
@@ -80,31 +84,45 @@ def _train(model, opt, rec, steps=STEPS, tracker=None):
     for step in range(steps):
         rec.step = step
         x, y = data.shard(step, GLOBAL_BATCH, r, N)  # (2, T) each
-        _, loss = model(x, y)
-        loss.backward()
+        total = torch.zeros(())
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            quiet = no_sync and i < micro - 1
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                _, loss = model(xm, ym)
+                (loss / micro).backward()
+            total += loss.detach() / micro
         if tracker is not None and step == steps - 1:
             held = tracker.measure()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
         comm.all_reduce(total, tag="test/loss")
         losses.append(total.item() / N)
     return losses, held
 
 
-def _hsdp_run(how: str, stage: int):
+def _hsdp_run(
+    how: str, stage: int, compute_dtype=None, micro=1, no_sync=False, **options
+):
     from dtlab import telemetry
     from dtlab.memory import MemoryTracker
     from dtlab.zero import FullyShardedDataParallel
 
     shard, rep = _grid(how)
+    net = GPT(CFG)
+    if options.get("sync_module_states"):  # every rank starts from other weights
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.01 * torch.distributed.get_rank())
     model = FullyShardedDataParallel(
-        GPT(CFG), None, shard, stage=stage, replicate_group=rep
+        net, compute_dtype, shard, stage=stage, replicate_group=rep, **options
     )
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     rec = telemetry.Recorder()
+    tracker = MemoryTracker(model, opt)
     with telemetry.use(rec):
-        losses, held = _train(model, opt, rec, tracker=MemoryTracker(model, opt))
+        losses, held = _train(
+            model, opt, rec, tracker=tracker, micro=micro, no_sync=no_sync
+        )
     last = [
         e
         for e in rec.events
@@ -143,6 +161,21 @@ def _fsdp2_hsdp():
     return {
         "losses": losses,
         "params": {k: v.full_tensor() for k, v in model.named_parameters()},
+    }
+
+
+def _variants():
+    """Mixed precision, offload, accumulation, the stage-3 options and synced
+    weights, each under HSDP."""
+    return {
+        "plain1": _hsdp_run("helper", 1),
+        "accum1": _hsdp_run("helper", 1, micro=2),
+        "accum1_nosync": _hsdp_run("helper", 1, micro=2, no_sync=True),
+        "accum3": _hsdp_run("helper", 3, micro=2),
+        "plain3_bf16": _hsdp_run("helper", 3, torch.bfloat16),
+        "offload3_bf16": _hsdp_run("helper", 3, torch.bfloat16, offload=True),
+        "root_kept": _hsdp_run("helper", 3, keep_root_gathered=True, prefetch=False),
+        "synced": _hsdp_run("helper", 3, sync_module_states=True),
     }
 
 
@@ -270,6 +303,42 @@ def test_memory_per_rank_is_the_shard_groups_slice(gpt_runs):
     assert traffic["wire"] < estimate.zero_comm_per_step(psi, 128, 3)["wire"]
     with pytest.raises(ValueError, match="replicate_size"):
         estimate.hsdp_comm_per_step(psi, 8, 0, 3)
+
+
+def test_precision_offload_accumulation_and_sync_change_nothing_else(cluster, gpt_runs):
+    out = cluster.run(_variants, timeout=180)[0]
+    plain = gpt_runs[0]["stage3"]
+    # offload moves masters and optimizer state to the host, the arithmetic stays
+    assert out["offload3_bf16"]["losses"] == out["plain3_bf16"]["losses"]
+    _assert_params_equal(out["offload3_bf16"]["params"], out["plain3_bf16"]["params"])
+    # bf16: 8 bits of mantissa, ~0.4 % on the loss (test_zero.py derives it)
+    assert out["plain3_bf16"]["losses"] == pytest.approx(plain["losses"], rel=1e-2)
+    # rank 0's weights reach every rank, shard group and replicas: as if all had
+    # started from them
+    assert out["synced"]["losses"] == plain["losses"]
+    _assert_params_equal(out["synced"]["params"], plain["params"])
+    # FSDP2's habit for its root and no prefetch: other timing, same numbers
+    assert out["root_kept"]["losses"] == plain["losses"]
+    _assert_params_equal(out["root_kept"]["params"], plain["params"])
+    # two micro-batches: stage 3 reduces (both hops) after each backward and adds
+    # the slices; stage 1 under no_sync adds full gradients and reduces once, the
+    # same additions in another order (Adam may pass a last-bit difference of a
+    # near-zero gradient on as a few 1e-6, see test_zero.py)
+    assert out["accum3"]["losses"] == pytest.approx(out["accum1"]["losses"], rel=1e-6)
+    quiet, loud = out["accum1_nosync"], out["accum1"]
+    assert quiet["losses"] == pytest.approx(loud["losses"], rel=1e-6)
+    assert (
+        max(
+            (quiet["params"][k] - loud["params"][k]).abs().max()
+            for k in plain["params"]
+        )
+        < 2e-5
+    )
+    assert quiet["wire"] == out["plain1"]["wire"]  # one reduction a step, both axes
+    # without no_sync, each micro-batch reduces: twice the replicas' all-reduce,
+    # and in the shard group two reduce-scatters beside the one all-gather
+    assert loud["wire"]["dp_replicate"] == 2 * quiet["wire"]["dp_replicate"]
+    assert loud["wire"]["dp_shard"] == 1.5 * quiet["wire"]["dp_shard"]
 
 
 # ---- frozen and unused parameters, the pieces the module shows -----------------------
