@@ -5,8 +5,9 @@ puts dtlab next to PyTorch. Two kinds of row:
 
 - **against PyTorch's own implementation**, same model, same processes, steps
   interleaved or back to back: DDP vs ``torch.nn.parallel.DistributedDataParallel``
-  (:mod:`dtlab.bench.ddp`), ZeRO-1 vs ``ZeroRedundancyOptimizer`` and ZeRO-3 vs
-  FSDP2 ``fully_shard`` (:mod:`dtlab.bench.zero`), tensor parallelism vs DTensor
+  (:mod:`dtlab.bench.ddp`), ZeRO-1 vs ``ZeroRedundancyOptimizer``, ZeRO-3 vs
+  FSDP2 ``fully_shard`` and HSDP vs FSDP2 on a 2D mesh (4+ ranks;
+  :mod:`dtlab.bench.zero`), tensor parallelism vs DTensor
   (:mod:`dtlab.bench.tensor_parallel`), 1F1B vs ``torch.distributed.pipelining``
   (:mod:`dtlab.bench.pipeline`), and the composition dp2·tp2 with ZeRO-3 vs FSDP2
   over DTensor TP (:mod:`dtlab.bench.composed`). Ratio = dtlab / torch (lower
@@ -149,6 +150,7 @@ def assemble(collected: dict) -> list[dict]:
                 ("ZeRO-1 step", "dtlab stage 1", "torch ZeRO-1",
                  "ZeroRedundancyOptimizer"),
                 ("ZeRO-3 step", "dtlab stage 3", "torch FSDP2", "FSDP2 fully_shard"),
+                ("HSDP step", "dtlab HSDP", "torch FSDP2 HSDP", "FSDP2 HSDP (2D mesh)"),
             )  # fmt: skip
             for n in sorted({x["world_size"] for x in r}):
                 for what, ours, theirs, against in pairs:

@@ -36,6 +36,8 @@ The files, in reading order:
 - :mod:`~dtlab.zero.gather`: the all-gathers (stage 3's gather, free, re-gather);
 - :mod:`~dtlab.zero.reduce`: the all-reduce (stage 0) and reduce-scatter (1-3);
 - :mod:`~dtlab.zero.offload`: ZeRO-Offload, masters and optimizer on the host;
+- :mod:`~dtlab.zero.hsdp`: hybrid sharding (HSDP), ZeRO within a shard group and
+  one more all-reduce across the replicas of each slice (chapter 11);
 - :mod:`~dtlab.zero.fsdp`: :class:`FullyShardedDataParallel`, the hooks that run all
   of it (``stage=3`` by default, like FSDP2's ``fully_shard``);
 - :mod:`~dtlab.zero.optimizer`: :class:`ShardedOptimizer`, stage 1 alone as an
@@ -44,7 +46,16 @@ The files, in reading order:
 """
 
 from dtlab.zero.fsdp import FullyShardedDataParallel
+from dtlab.zero.hsdp import REPLICATE_AXIS, SHARD_AXIS, HybridGroups, hsdp_groups
 from dtlab.zero.optimizer import ShardedOptimizer
 from dtlab.zero.stages import STAGES
 
-__all__ = ["STAGES", "ShardedOptimizer", "FullyShardedDataParallel"]
+__all__ = [
+    "STAGES",
+    "ShardedOptimizer",
+    "FullyShardedDataParallel",
+    "HybridGroups",
+    "hsdp_groups",
+    "SHARD_AXIS",
+    "REPLICATE_AXIS",
+]

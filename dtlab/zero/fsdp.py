@@ -61,6 +61,15 @@ class FullyShardedDataParallel(ShardedState):
     then 3Ψ minus the root). ``sync_module_states=True`` broadcasts rank 0's weights
     first, for models not initialised identically on every rank.
 
+    ``replicate_group`` (HSDP, :mod:`dtlab.zero.hsdp`): ``process_group`` is then the
+    *shard* group, over which everything above happens, and the replicate group
+    joins the ranks that hold the same slice; each reduced gradient slice is
+    all-reduced over it and averaged over both (``world_size`` and ``rank`` stay the
+    shard group's; :attr:`n_replicas` is R). ``None``: one replica, plain ZeRO.
+    Build the two with :func:`dtlab.zero.hsdp_groups`, or pass a layout's axes (a
+    ``Topology(Layout(dp=2, tp=2))``'s ``tp`` axis as the shard group and its ``dp``
+    axis as the replicate group form the same 2 × 2 grid).
+
     **What the optimizer steps.** ``.parameters()`` are this rank's local shards, one
     per parameter piece in its slice (:class:`~dtlab.zero.units.LocalShard`, views of
     the fp32 master slice), named as in the module; a plain ``torch.optim.AdamW``
@@ -97,6 +106,7 @@ class FullyShardedDataParallel(ShardedState):
         prefetch: bool = True,
         keep_root_gathered: bool = False,
         sync_module_states: bool = False,
+        replicate_group=None,
     ):
         super().__init__(
             module,
@@ -106,11 +116,16 @@ class FullyShardedDataParallel(ShardedState):
             units,
             offload,
             sync_module_states,
+            replicate_group,
         )
         self.prefetch = bool(prefetch)
         self.keep_root_gathered = bool(keep_root_gathered)
         self._reducer = Reducer(
-            self.sharding, self.placement, process_group, self._in_flight
+            self.sharding,
+            self.placement,
+            self.process_group,
+            self._in_flight,
+            replicas=self.replicas,
         )
         self._in_backward = False
         self._fwd_order: list = []

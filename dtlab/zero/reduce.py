@@ -25,30 +25,64 @@ is skipped, so a frozen or unused one keeps ``.grad = None``. That is decided on
 rank, as FSDP does, so it assumes every rank takes the same branches: the ranks that
 did not use a parameter others used drop its averaged gradient.
 
+HSDP (:mod:`~dtlab.zero.hsdp`) adds a second hop: once the shard group's
+reduce-scatter (stage 0: all-reduce) has landed, the reduced slice is all-reduced
+across the replicas that hold the same slice, ``2(R-1)/R · Ψ/S`` more per step, and
+the sum is divided by the data-parallel degree R·S. The replicas' all-reduces start
+in the order the units were reduced, on every rank (a rank that started them in the
+order its reduce-scatters finished could pair one unit's slice with another's).
+
 At most ``max_inflight`` reductions are in flight; beyond that, backward waits for
 the oldest (FSDP2 bounds its reduce-scatters the same way).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dtlab import comm, memory
+from dtlab.zero.hsdp import Replicas
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "Reduction"]
+
+
+@dataclass
+class Reduction:
+    """One unit's gradients on their way: ``work`` is the collective in flight, over
+    the shard group first (``across_replicas=False``), then over the replicas."""
+
+    unit: object
+    work: object
+    flat: torch.Tensor  # the bucket: the unit's full gradient
+    out: torch.Tensor  # what this rank keeps: its reduced slice (stage 0: flat)
+    with_grad: list
+    across_replicas: bool = False
 
 
 class Reducer:
-    """The gradient reductions of one wrapper's units over ``group``."""
+    """The gradient reductions of one wrapper's units over ``group`` (and, under
+    HSDP, over ``replicas``)."""
 
-    def __init__(self, sharding, placement, group, in_flight, max_inflight: int = 2):
+    def __init__(
+        self,
+        sharding,
+        placement,
+        group,
+        in_flight,
+        max_inflight: int = 2,
+        replicas: Replicas | None = None,
+    ):
         self.sharding = sharding
         self.placement = placement
         self.group = group
-        self.world_size = comm.group_size(group)
+        self.replicas = replicas or Replicas()
+        # the average is over every data-parallel rank: S in the group, R replicas
+        self.dp_degree = comm.group_size(group) * self.replicas.size
         self.in_flight = in_flight
         self.max_inflight = max_inflight
-        self.pending: list[tuple] = []  # (unit, work, bucket, output, entries)
+        self.pending: list[Reduction] = []  # oldest first
 
     @torch.no_grad()
     def bucket(self, u):
@@ -94,19 +128,34 @@ class Reducer:
                 async_op=True,
                 tag=self.sharding.tag(f"rs/{u.name}"),
             )
-        self.pending.append((u, work, flat, out, with_grad))
+        self.pending.append(Reduction(u, work, flat, out, with_grad))
         memory.current().update()
         self.drain(block=False)
         while len(self.pending) >= self.max_inflight:
             # bound the buckets in flight: wait for the oldest
-            u0, work0, *rest = self.pending.pop(0)
-            work0.wait()
-            self.finish(u0, *rest)
+            self.complete(self.pending.pop(0))
+
+    def _across_replicas(self, r: Reduction) -> None:
+        """The shard group's reduction of ``r`` has landed: start its second hop,
+        the all-reduce of the slice over the replicas (none without HSDP)."""
+        r.work = self.replicas.all_reduce(
+            r.out, tag=self.sharding.tag(f"ar-replicas/{r.unit.name}")
+        )
+        r.across_replicas = True
+
+    def complete(self, r: Reduction) -> None:
+        """Wait for ``r``'s hops in turn, then finish it."""
+        if not r.across_replicas:
+            r.work.wait()
+            self._across_replicas(r)
+        if r.work is not None:
+            r.work.wait()
+        self.finish(r.unit, r.flat, r.out, r.with_grad)
 
     @torch.no_grad()
     def finish(self, u, flat, out, with_grad) -> None:
         """Average the reduced sum and give each local shard its part as ``.grad``."""
-        n = self.world_size
+        n = self.dp_degree
         if u.alias and not self.sharding.shards_optimizer:  # stage 0, fp32
             grad = flat.div_(n)  # in place: the compute .grad views see it (as DDP)
         elif u.alias and self.sharding.keeps_full_grads:  # stage 1, fp32
@@ -129,13 +178,25 @@ class Reducer:
                 shard.grad.add_(u.grad_view(grad, e))
 
     def drain(self, block: bool) -> None:
-        """Finish the reductions that are done (``block``: all of them)."""
-        keep = []
-        for item in self.pending:
-            u, work, *rest = item
-            if block or work.is_completed():
-                work.wait()
-                self.finish(u, *rest)
+        """Move on the reductions whose collective is done (``block``: all of them,
+        to the end): a finished shard-group hop starts its replicas' hop, a finished
+        last hop gives the shards their gradients."""
+        if block:
+            while self.pending:
+                self.complete(self.pending.pop(0))
+            return
+        keep, blocked = [], False
+        for r in self.pending:
+            if not r.across_replicas and not blocked:
+                if r.work.is_completed():
+                    r.work.wait()
+                    self._across_replicas(r)
+                else:  # the replicas' hops start oldest first, on every rank alike
+                    blocked = self.replicas.size > 1
+            if r.across_replicas and (r.work is None or r.work.is_completed()):
+                if r.work is not None:
+                    r.work.wait()
+                self.finish(r.unit, r.flat, r.out, r.with_grad)
             else:
-                keep.append(item)
+                keep.append(r)
         self.pending = keep

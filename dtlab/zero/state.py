@@ -15,6 +15,7 @@ from torch import nn
 
 from dtlab import comm
 from dtlab.zero.gather import Gatherer
+from dtlab.zero.hsdp import Replicas, hybrid_axes
 from dtlab.zero.offload import Placement
 from dtlab.zero.stages import Sharding
 from dtlab.zero.units import InFlight, LocalShard, make_units
@@ -35,6 +36,7 @@ class ShardedState(nn.Module):
         units,
         offload: bool,
         sync_module_states: bool,
+        replicate_group=None,
     ):
         super().__init__()
         self.sharding = Sharding(stage)
@@ -54,9 +56,14 @@ class ShardedState(nn.Module):
             raise ValueError("the module has no parameters: nothing to shard")
         if len({p.device for p in params}) > 1:
             raise ValueError("all parameters must be on one device; move the module")
+        if replicate_group is not None:  # HSDP: shard in a row, replicate down
+            process_group, replicate_group = hybrid_axes(process_group, replicate_group)
+        # the ranks holding the same slice as this one (one replica: plain ZeRO)
+        self.replicas = Replicas(replicate_group)
         self.module = module
         self.stage = stage
         self.process_group = process_group
+        self.replicate_group = replicate_group
         self.world_size = comm.group_size(process_group)
         self.rank = comm.group_rank(process_group)
         self.compute_dtype = compute_dtype
@@ -71,6 +78,7 @@ class ShardedState(nn.Module):
                 compute_dtype,
                 process_group,
                 sync_module_states,
+                self.replicas,
             )
         self._in_flight = InFlight()
         self._dirty = False  # an optimizer stepped the shards since the last gather
@@ -153,6 +161,20 @@ class ShardedState(nn.Module):
     def n_shards(self) -> int:
         """How many ranks the master weights are cut over: N, or 1 at stage 0."""
         return self.sharding.n_shards(self.world_size)
+
+    @property
+    def n_replicas(self) -> int:
+        """HSDP's R: how many ranks hold this rank's slice (1 without
+        ``replicate_group``). The data-parallel degree is ``world_size · R``."""
+        return self.replicas.size
+
+    @property
+    def replica_rank(self) -> int:
+        """Which of the R replicas this rank belongs to (0 without HSDP): one replica
+        is the whole sharded state, so a writer of checkpoints needs only replica 0."""
+        return (
+            0 if self.replicas.group is None else comm.group_rank(self.replicas.group)
+        )
 
     @property
     def padded_numel(self) -> int:

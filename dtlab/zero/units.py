@@ -112,9 +112,13 @@ class FlatUnit:
         self.flat_grad: torch.Tensor | None = None  # stages 0-1: the kept bucket
 
     @torch.no_grad()
-    def materialise(self, sharding, placement, compute_dtype, group, sync: bool):
+    def materialise(
+        self, sharding, placement, compute_dtype, group, sync: bool, replicas
+    ):
         """Flatten the parameters (the module's ``p.data`` become views of
-        :attr:`full`), cut this rank's master slice and its local shards."""
+        :attr:`full`), cut this rank's master slice and its local shards. ``sync``:
+        rank 0's weights first, over ``group`` and then over ``replicas`` (HSDP's
+        other replicas, :class:`~dtlab.zero.hsdp.Replicas`)."""
         if not self.entries:
             return
         dtypes = {e.param.dtype for e in self.entries}
@@ -139,6 +143,7 @@ class FlatUnit:
             master_full[e.offset : e.offset + e.numel].copy_(e.param.reshape(-1))
         if sync:
             comm.broadcast(master_full, 0, group, tag="zero/sync")
+            replicas.broadcast(master_full, tag="zero/sync")
         self.alias = (
             cdtype == master_dtype
             and not placement.offload
