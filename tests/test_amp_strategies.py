@@ -277,14 +277,10 @@ CASES = [
     # compared step for step; fp16's agreement on skips under PP is the skip test's
 ]
 
-# A defect of dtlab.zero that the fp32 loss exposed (issue 20): ZeRO reduce-scatters
-# the *sum* of the ranks' fp16 gradients and divides by N afterwards (dtlab's DDP,
-# like torch's reducer and FSDP, divides first). At the scale 2^16 that the fp32 loss
-# now keeps, the sum of 4 ranks overflows at step 2 where the single process's mean
-# does not; while the loss was fp16 the scale sat at 2^15 and hid it. Dividing before
-# the reduce-scatter removes the skip (measured); dtlab.zero is being rewritten, so
-# the case pins the defect until then, and fails once it is gone.
-ZERO_FP16_SUM_OVERFLOWS = {"zero3/fp16": [False, False, True, False]}
+# ZeRO divides each bucket by N before the reduce-scatter sums it (as DDP, torch's
+# reducer and FSDP do): summing 4 ranks' fp16 gradients first overflowed at the
+# scale 2^16 where the single process's mean does not (found by issue 20's
+# comparison with autocast + GradScaler, when the loss moved to fp32).
 
 
 @pytest.mark.cluster
@@ -295,7 +291,6 @@ def test_low_precision_training_tracks_the_same_casts_reference(lab_cluster):
         for p in ("bf16", "fp16")
     }
     fp32 = train_reference(CFG, steps=STEPS, global_batch_size=B, lr=LR).losses
-    defects = []
     for strategy, precision in CASES:
         key = f"{strategy}/{precision}"
         runs = [r[key] for r in results]
@@ -310,21 +305,9 @@ def test_low_precision_training_tracks_the_same_casts_reference(lab_cluster):
         # and training does fall, like fp32's curve
         assert run["losses"][-1] < run["losses"][0], key
         assert abs(run["losses"][-1] - fp32[-1]) < 0.15, key
-        if key in ZERO_FP16_SUM_OVERFLOWS:
-            defects.append(key)
-            assert run["skipped"] == ZERO_FP16_SUM_OVERFLOWS[key], (
-                f"{key}: the fp16 sum no longer overflows; move it back to the "
-                "checks against the reference"
-            )
-            continue
         # the same skip decisions as the reference (here none: with the loss in
         # fp32, 2^16 · loss ~4 no longer overflows fp16's first step)
         assert run["skipped"] == [r["skipped"] for r in ref.records], key
         # see the module docstring: 16-bit roundings of different partial sums
         rel = 2e-3 if precision == "bf16" else 3e-4
         assert run["losses"] == pytest.approx(ref.losses, rel=rel), key
-    if defects:
-        pytest.xfail(
-            f"{defects}: dtlab.zero sums fp16 gradients before dividing by N "
-            "(ZERO_FP16_SUM_OVERFLOWS); every other case matched the reference"
-        )

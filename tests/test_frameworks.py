@@ -302,8 +302,11 @@ def test_deepspeed_zero_stages_match_dtlab(lab_cluster):
     assert z3["params"] == r["zero3"]["dtlab"]["memory"]["params"] == 4 * PSI // n
     z2 = r["zero2"]["deepspeed"]["memory"]
     assert z2["optimizer"] - 4 == 12 * PSI // n  # + Adam's 4-byte step counter
-    # dtlab: the moments of its shards, and one 4-byte step counter per unit (3)
-    assert r["zero2"]["dtlab"]["memory"]["optimizer"] == 8 * PSI // n + 3 * 4
+    # dtlab: the moments of its shards, and one 4-byte step counter per local shard
+    # (a piece of each parameter this rank's slice touches: at most all of them)
+    counters = r["zero2"]["dtlab"]["memory"]["optimizer"] - 8 * PSI // n
+    n_params = len(list(GPT(CFG).parameters()))
+    assert counters % 4 == 0 and 0 < counters // 4 <= n_params
     # bytes: DeepSpeed 0.19.8's ZeRO-1/2 reduce the gradients with an all-reduce
     # of its buckets (each rank keeps its partition: use_multi_rank_bucket_allreduce)
     # and all-gather the updated weights: 3(N-1)/N·4Ψ on the wire, 1.5x dtlab's

@@ -108,7 +108,12 @@ class Reducer:
         return flat, with_grad
 
     def launch(self, u, flat: torch.Tensor, with_grad) -> None:
-        """Start reducing ``u``'s bucket ``flat``."""
+        """Start reducing ``u``'s bucket ``flat``: divided by the number of replicas
+        first, then summed (as DDP and PyTorch's reducer do: a sum of N 16-bit
+        gradients can overflow where their mean does not; exact in fp32 when N is a
+        power of two)."""
+        with torch.no_grad():
+            flat.mul_(1.0 / self.dp_degree)
         if not self.sharding.shards_optimizer:  # every rank steps everything
             work = comm.all_reduce(
                 flat,
@@ -154,15 +159,15 @@ class Reducer:
 
     @torch.no_grad()
     def finish(self, u, flat, out, with_grad) -> None:
-        """Average the reduced sum and give each local shard its part as ``.grad``."""
-        n = self.dp_degree
+        """Give each local shard its part of the averaged gradient as ``.grad`` (the
+        bucket was divided by the replicas before its sum)."""
         if u.alias and not self.sharding.shards_optimizer:  # stage 0, fp32
-            grad = flat.div_(n)  # in place: the compute .grad views see it (as DDP)
+            grad = flat  # in place: the compute .grad views see it (as DDP)
         elif u.alias and self.sharding.keeps_full_grads:  # stage 1, fp32
             # the kept bucket's own slice becomes the averaged gradient
-            grad = flat[u.lo : u.lo + u.S].copy_(out).div_(n)
+            grad = flat[u.lo : u.lo + u.S].copy_(out)
         else:
-            grad = self.placement.master_gradient(out, u.master).div_(n)
+            grad = self.placement.master_gradient(out, u.master)
         if self.sharding.shards_optimizer:
             self.in_flight.drop(out)
         if self.sharding.shards_grads:
