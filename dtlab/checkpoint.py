@@ -323,6 +323,8 @@ def _reshardable(trainer) -> str | None:
     layout, config = trainer.topo.layout, trainer.config
     if layout.tp > 1 or layout.pp > 1 or config.precision != "fp32":
         return None
+    if layout.cp > 1 or layout.ep > 1 or config.zero_shard_size is not None:
+        return None  # beyond 3D: bound to its layout too
     return "replicated" if trainer.parts.zero_stage is None else "sharded"
 
 

@@ -53,7 +53,9 @@ class TrainConfig:
     - ``activation_checkpointing``: ``"none"``, ``"selective"`` (recompute the
       attention core) or ``"full"`` (recompute each block), chapter 08.
     - AdamW: ``lr``, ``weight_decay``, ``betas``; ``grad_clip`` (global norm) or None.
-    - DDP: ``bucket_cap_mb``, ``find_unused_parameters``. ZeRO: ``offload``.
+    - DDP: ``bucket_cap_mb``, ``find_unused_parameters``. ZeRO: ``offload``, and
+      ``zero_shard_size`` for HSDP (shard within groups of that many data-parallel
+      ranks, replicate across the groups; None: shard over all of them).
 
     :meth:`check` says before any process starts whether a world can run it;
     :meth:`to_dict` / :meth:`from_dict` round-trip it through JSON.
@@ -87,6 +89,8 @@ class TrainConfig:
     find_unused_parameters: bool = False
     # ---- ZeRO (chapter 03): master weights, gradients, optimizer state on the host
     offload: bool = False
+    # ---- HSDP (chapter 11): ZeRO shards within groups of this many replicas
+    zero_shard_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, GPTConfig):
@@ -101,6 +105,8 @@ class TrainConfig:
             positive_int(name, getattr(self, name))
         if self.microbatches is not None:
             positive_int("microbatches", self.microbatches)
+        if self.zero_shard_size is not None:
+            positive_int("zero_shard_size", self.zero_shard_size)
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.grad_clip is not None and not self.grad_clip > 0:

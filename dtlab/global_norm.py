@@ -86,8 +86,10 @@ def global_norm_fn(parts):
             for shard in wrapper.local_shards():
                 if shard.tensor.requires_grad:  # what the optimizer steps
                     weights.append(1.0 if _counted(parts, module, shard.param) else 0.0)
-        axes = ("dp", "tp", "pp")
-    groups = [parts.topo.axis(a) for a in axes]
+        axes = ("shard", "tp", "pp")
+    # under ZeRO the shards' group (dp, or HSDP's shard group: its replicas hold
+    # the same slices and are not summed again)
+    groups = [parts.shard_group if a == "shard" else parts.topo.axis(a) for a in axes]
 
     def norm_fn(grads) -> float:
         sq = torch.zeros((), dtype=torch.float64, device=parts.device)

@@ -86,6 +86,19 @@ def check_composition(config, layout) -> None:
             "unit's gradient when the unit's backward ends; use strategy='ddp' with "
             "zb_h1, or another schedule with ZeRO"
         )
+    if config.zero_shard_size is not None:
+        replicas = layout.dp * layout.cp
+        if not zero:
+            raise ValueError(
+                "zero_shard_size is HSDP's shard group: it needs a ZeRO strategy "
+                f"(zero1-zero3), not {config.strategy!r}"
+            )
+        if replicas % config.zero_shard_size:
+            raise ValueError(
+                f"zero_shard_size={config.zero_shard_size} does not divide the "
+                f"{replicas} data-parallel ranks: HSDP cuts them into equal shard "
+                "groups"
+            )
     if config.offload and not zero:
         raise ValueError(
             f"offload keeps ZeRO's master shards on the host; strategy "
@@ -171,6 +184,7 @@ class Parallelized:
     modules: list[nn.Module]
     wrapped: list[nn.Module]
     pipe: object | None = None
+    shard_group: object | None = None  # what ZeRO shards over (dp, or HSDP's shard)
     optimizer: amp.MixedPrecisionOptimizer | None = field(default=None, repr=False)
 
     @property
@@ -351,18 +365,27 @@ def parallelize(config, topo: Topology, device: torch.device) -> Parallelized:
         from dtlab.zero import FullyShardedDataParallel
 
         cdtype = dtype if policy.has_master_copy else None
+        shard, replicate = dp, None
+        if config.zero_shard_size is not None:  # HSDP: shard in groups, replicate
+            from dtlab.zero import hsdp_groups
+
+            grid = hsdp_groups(config.zero_shard_size, topo.layout.groups(dp.name))
+            shard, replicate = grid.shard, grid.replicate
         wrapped = [
             FullyShardedDataParallel(
                 module,
                 cdtype,
-                dp,
+                shard,
                 stage=stage,
                 units=_zero_units(module, pp.size > 1 and mc.tied_head),
                 offload=config.offload,
+                replicate_group=replicate,
             )
             for module in modules
         ]
     parts = Parallelized(config, topo, device, policy, stage, modules, wrapped)
+    if stage is not None:
+        parts.shard_group = shard
     if layout.pp > 1:
         from dtlab.pipeline import Pipeline
 

@@ -111,6 +111,51 @@ def test_8_rank_layouts_over_three_axes_match_the_reference(lab_cluster):
     _check(runs, LAYOUTS_8)
 
 
+HSDP = [  # (layout, strategy, zero_shard_size)
+    (Layout(dp=4), "zero3", 2),
+    (Layout(dp=4), "zero2", 2),
+    (Layout(dp=2, cp=2), "zero3", 2),
+]
+
+
+def _hsdp_runs(cases):
+    """On every rank: each HSDP config's losses, norms and bytes per axis."""
+    from dtlab import telemetry
+    from dtlab.train import Trainer
+
+    out = []
+    for layout, strategy, shard in cases:
+        config = _config(layout, "ring", strategy).replace(zero_shard_size=shard)
+        rec = telemetry.Recorder(0)
+        with telemetry.use(rec):
+            records = Trainer(config).fit()
+        axes = {
+            e["axis"]
+            for e in rec.events
+            if e["kind"] == "comm" and str(e["tag"]).startswith("zero")
+        }
+        out.append(
+            {
+                "losses": [r["loss"] for r in records],
+                "norms": [r["grad_norm"] for r in records],
+                "axes": axes,
+            }
+        )
+    return out
+
+
+@pytest.mark.cluster
+def test_hsdp_through_the_trainer_matches_the_reference(lab_cluster):
+    """ZeRO sharded within pairs of replicas and replicated across the pairs
+    (``zero_shard_size=2``, torchtitan's dp_shard x dp_replicate): the same losses,
+    its collectives on both axes."""
+    runs = lab_cluster(4).run(_hsdp_runs, HSDP, timeout=600)
+    _check(runs, [(layout, None, strategy) for layout, strategy, _ in HSDP])
+    for rank_runs in runs:
+        for got in rank_runs:
+            assert got["axes"] == {"dp_shard", "dp_replicate"}, got["axes"]
+
+
 @pytest.mark.parametrize(
     "layout, changes, message",
     [
@@ -125,6 +170,8 @@ def test_8_rank_layouts_over_three_axes_match_the_reference(lab_cluster):
         (Layout(dp=4, ep=2), {"strategy": "zero3"}, "not composed"),
         (Layout(dp=2, tp=2), {"model": MOE}, "mixture of experts with tp=2"),
         (Layout(dp=4), {"cp_variant": "spiral"}, "cp_variant"),
+        (Layout(dp=4), {"strategy": "zero3", "zero_shard_size": 3}, "does not divide"),
+        (Layout(dp=4), {"zero_shard_size": 2}, "needs a ZeRO strategy"),
     ],
 )  # fmt: skip
 def test_what_does_not_compose_is_refused_with_the_reason(layout, changes, message):
