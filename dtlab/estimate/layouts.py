@@ -337,11 +337,15 @@ def _stage_traffic(
         if n == 1:
             continue
         one = zero_comm_per_step(psi, n, zero_stage, bpv)
-        out[axis] = out.get(axis, 0.0) + per_mb * (
-            wire_bytes("all_reduce", one["all_reduce"], n)
-            + wire_bytes("reduce_scatter", one["reduce_scatter"], n)
-        ) + (per_mb if zero_stage == 3 else 1) * wire_bytes(
-            "all_gather", one["all_gather"], n
+        out[axis] = (
+            out.get(axis, 0.0)
+            + per_mb
+            * (
+                wire_bytes("all_reduce", one["all_reduce"], n)
+                + wire_bytes("reduce_scatter", one["reduce_scatter"], n)
+            )
+            + (per_mb if zero_stage == 3 else 1)
+            * wire_bytes("all_gather", one["all_gather"], n)
         )
     tokens = b * s // par.cp  # this rank's tokens of one micro-batch
     first, last = stage == 0, stage == par.pp - 1
