@@ -60,7 +60,7 @@ def predicted_memory(config, layout: Layout, stage=None) -> dict:
         schedule=config.schedule, chunks=config.chunks,
         checkpointing=config.activation_checkpointing,
         sequence_parallel=config.sequence_parallel, offload=config.offload,
-        stage=stage, activations="dtlab",
+        stage=stage, activations="dtlab", cp_variant=config.cp_variant,
     )  # fmt: skip
 
 

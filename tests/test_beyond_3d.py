@@ -115,7 +115,7 @@ def _bytes_per_axis(configs):
     """On every rank: what each config's rank sent per step on each axis, steady
     state (dtlab.measure, what the dashboard and dtlab run compare)."""
     from dtlab import telemetry
-    from dtlab.measure import measured_traffic
+    from dtlab.measure import measured_memory, measured_traffic
     from dtlab.train import Trainer
 
     out = []
@@ -127,7 +127,9 @@ def _bytes_per_axis(configs):
         events = [e for e in rec.events if e["kind"] in ("comm", "step")]
         for e in events:
             e["rank"] = 0
-        out.append(measured_traffic(events))
+        traffic = measured_traffic(events)
+        traffic["activations"] = measured_memory(rec.events)["activations"]
+        out.append(traffic)
     return out
 
 
@@ -137,10 +139,11 @@ IGNORED_AXES = ("world",)
 @pytest.mark.cluster
 def test_bytes_per_axis_equal_the_estimate(lab_cluster):
     """Ring and Ulysses move exactly what estimate.layout_traffic says, on cp, and
-    the gradients on dp·cp; expert parallelism's all-to-alls depend on the routing
+    the gradients on dp·cp, and keep the activations layout_memory counts
+    (``activations="dtlab"``); expert parallelism's all-to-alls depend on the routing
     (the estimate assumes it uniform): within the imbalance a 4-expert top-2 router
     of random init shows, and its gradients exactly."""
-    from dtlab.measure import predicted_traffic
+    from dtlab.measure import predicted_memory, predicted_traffic
 
     cases = [
         (Layout(dp=2, cp=2), "ring", "ddp"),
@@ -160,6 +163,9 @@ def test_bytes_per_axis_equal_the_estimate(lab_cluster):
                     assert got[axis] == pytest.approx(want[axis], abs=64), axis
             if "ep" in want:
                 assert 0.5 * want["ep"] <= got["ep"] <= 1.5 * want["ep"]
+            else:  # what the saved-tensor hooks counted, to the byte
+                acts = predicted_memory(config, layout)["activations"]
+                assert got["activations"] == acts
 
 
 HSDP = [  # (layout, strategy, zero_shard_size)

@@ -140,7 +140,7 @@ def value_bytes(precision: str) -> int:
 def _stage_memory(
     spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
     schedule, chunks, checkpointing, sequence_parallel, optimizer, offload, states,
-    seq_len, activations, dropout,
+    seq_len, activations, dropout, cp_variant,
 ) -> dict[str, float]:  # fmt: skip
     sp = stage_params(spec, par, stage)
     group = par.dp * par.cp  # replicas of every weight (ZeRO shards over them)
@@ -172,8 +172,9 @@ def _stage_memory(
     if activations == "dtlab":
         per_layer = dtlab_saved_bytes_per_layer(
             s, b, spec.d_model, spec.n_heads, d_ff=spec.d_ff, recompute=checkpointing,
-            bytes_per_value=bpv, dropout=dropout, **layer_kw,
-        ) / par.cp  # fmt: skip
+            bytes_per_value=bpv, dropout=dropout, cp=par.cp, cp_variant=cp_variant,
+            **layer_kw,
+        )  # fmt: skip
     else:
         per_layer = activation_bytes_per_layer(
             s, b, spec.d_model, spec.n_heads, recompute=checkpointing,
@@ -204,13 +205,14 @@ def _stage_memory(
             bytes_per_value=bpv,
             logits_bytes=4,  # the loss is computed in fp32 (dtlab.model.GPT.output)
         )
+        local = s // par.cp  # this rank's tokens of each sequence
         if first:
             acts += first_in_flight * dtlab_saved_bytes_outside_layers(
-                s, b, spec.d_model, spec.vocab_size, first=True, last=False, **kw
+                local, b, spec.d_model, spec.vocab_size, first=True, last=False, **kw
             )
         if last:
             acts += last_in_flight * dtlab_saved_bytes_outside_layers(
-                s, b, spec.d_model, spec.vocab_size, first=False, last=True, **kw
+                local, b, spec.d_model, spec.vocab_size, first=False, last=True, **kw
             )
     else:
         if checkpointing == "full" and sp["layers"]:
@@ -249,6 +251,7 @@ def layout_memory(
     states: str = "dtlab",
     seq_len: int | None = None,
     activations: str = "paper",
+    cp_variant: str = "ring",
 ) -> dict[str, float]:
     """Bytes one device holds under ``layout``, by category:
     ``{"params", "grads", "optimizer", "activations", "total"}`` (and ``"host"``
@@ -305,6 +308,7 @@ def layout_memory(
         sequence_parallel=sequence_parallel, optimizer=optimizer, offload=offload,
         states=states, seq_len=seq_len, activations=activations,
         dropout=getattr(model, "dropout", 0.0) > 0,  # a dtlab GPTConfig's
+        cp_variant=cp_variant,
     )  # fmt: skip
     if stage is not None:
         return _stage_memory(spec, par, stage, **kw)
