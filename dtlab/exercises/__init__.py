@@ -33,6 +33,7 @@ import inspect
 
 # each chapter's checkers, then its catalogue of mistakes (which registers itself)
 from dtlab.exercises import (  # noqa: F401
+    ch00_mistakes,
     ch01_mistakes,
     ch02_mistakes,
     ch03_mistakes,
@@ -44,6 +45,7 @@ from dtlab.exercises import (  # noqa: F401
     ch09_mistakes,
     ch10_mistakes,
 )
+from dtlab.exercises.ch00_memory import check_min_gpus, check_zero2_bytes
 from dtlab.exercises.ch01_collectives import (
     check_ring_all_reduce,
     check_ring_reduce_scatter,
@@ -99,6 +101,8 @@ __all__ = [
     "solution",
     "exercise",
     "catalogue",
+    "check_zero2_bytes",
+    "check_min_gpus",
     "check_ring_reduce_scatter",
     "check_ring_all_reduce",
     "check_grad_hooks",
