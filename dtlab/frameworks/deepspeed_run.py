@@ -126,6 +126,18 @@ def train_deepspeed(config, ds_config: dict | None = None) -> dict:
     "optimizer", "ds_config"}``."""
     check_job(config, "train_deepspeed")
     deepspeed = init_distributed()
+    linear = torch.nn.functional.linear
+    try:
+        return _train(deepspeed, config, ds_config)
+    finally:
+        # ZeRO-3 replaces torch.nn.functional.linear for the whole process with its
+        # "memory-efficient" one ("This will persist unless manually reset", its log
+        # says), which rounds differently from torch's: every later model on this
+        # engine, dtlab's included, would silently compute with DeepSpeed's linear.
+        torch.nn.functional.linear = linear
+
+
+def _train(deepspeed, config, ds_config: dict | None) -> dict:
     _, n = world()
     ds = ds_config or deepspeed_config(config, n)
     model = build_model(config)
