@@ -17,6 +17,18 @@ Three policies (Micikevicius et al. 2018, "Mixed Precision Training"):
   (``backoff_factor``); after ``growth_interval`` clean steps S doubles
   (``growth_factor``).
 
+**The loss in fp32.** Backward starts from the gradient of ``S·L`` with respect to
+the loss, S itself, in the loss's dtype, and fp16's largest number is 65504: the
+default S = 2^16 is inf in fp16 before any gradient is computed. So the loss is
+computed in fp32 from the 16-bit logits, as ``torch.autocast`` does
+(``cross_entropy`` is on its fp32 list) and Megatron does (unless
+``--fp16-lm-cross-entropy``): :meth:`dtlab.model.GPT.output`, the pipeline stages'
+loss and the vocab-parallel cross-entropy upcast the logits, and only the logits'
+gradient ``S·(softmax − onehot)/N`` returns to 16 bits. (While dtlab computed the
+loss in 16 bits, every fp16 run skipped its first step, and its scale could never
+stay at 2^16; :mod:`dtlab.frameworks.autocast` shows the schedule step for step
+beside ``GradScaler``'s.)
+
 Why master weights: an update ``lr·g`` is often below half an ulp of the weight in 16
 bits (bf16 keeps 8 significant bits), so adding it in 16 bits does nothing. Summing
 updates into an fp32 copy keeps them. With Adam that copy and the two moments are the
@@ -156,7 +168,9 @@ class LossScaler:
         self.skipped = 0  # total skipped steps
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the current scale (call ``.backward()`` on this)."""
+        """The loss times the current scale (call ``.backward()`` on this). The
+        loss should be fp32 (see the module docstring): an fp16 loss's gradient
+        is the scale itself, rounded to fp16."""
         return loss * self.scale_value if self.enabled else loss
 
     def unscale_(self, grads, groups=(None,)) -> bool:

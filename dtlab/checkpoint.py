@@ -3,18 +3,20 @@
 Taught in chapter 03 (ZeRO), next to :mod:`dtlab.zero`.
 
 Under ZeRO no rank holds the whole model state, so no rank can write it alone. Each
-rank writes its own slice instead (``rank00003.pt``: its flat master slice of every
-unit and the optimizer state of that slice) and rank 0 adds ``meta.json``, the
-layout: every unit's size and the world size the slices were cut for. This is what
-PyTorch's distributed checkpoint (DCP) does with FSDP's sharded state dicts.
+rank writes its own pieces instead (``rank00003.pt``: its local shard of every
+parameter, elements ``[start, stop)`` of the flattened parameter, and the optimizer
+state of that piece) and rank 0 adds ``meta.json``, the layout: every unit's
+parameters with their offsets, and the world size the slices were cut for. This is
+what PyTorch's distributed checkpoint (DCP) does with FSDP's sharded state dicts.
 
 Loading at the same world size reads one file per rank and restores training
 exactly. Loading at another world size *reshards*: the flat layout of a unit does
-not depend on N (only its padding does), so new rank r's slice ``[r·S', (r+1)·S')``
-is cut from the old slices that overlap it. Per-element optimizer state (Adam's
-momentum and variance) is cut the same way; per-tensor state (the step count) is
-copied. :func:`gather_full_optimizer_state` and ``model.gather_full_params()`` give
-the whole thing in the unwrapped model's names, for export or comparison.
+not depend on N (only its padding does), so the old rank j's piece of a parameter is
+known from the layout, and new rank r's piece is cut from the old pieces that
+overlap it. Per-element optimizer state (Adam's momentum and variance) is cut the
+same way; per-tensor state (the step count, the same in every piece of a parameter)
+is copied. :func:`gather_full_optimizer_state` and ``model.gather_full_params()``
+give the whole thing in the unwrapped model's names, for export or comparison.
 
 Under DDP every rank holds the same state, so one rank writes it
 (:func:`save_replicated`) and any number of ranks reads it back. :func:`save_training`
@@ -49,18 +51,20 @@ def _file(path, rank: int) -> str:
     return os.path.join(path, f"rank{rank:05d}.pt")
 
 
-def _shards(model):
-    """(unit, shard) for every unit that has parameters."""
-    if not hasattr(model, "_units"):
+def _sharded(model):
+    """``model`` itself, if it is a ZeRO wrapper."""
+    from dtlab.zero import FullyShardedDataParallel
+
+    if not isinstance(model, FullyShardedDataParallel):
         raise ValueError(
             f"{type(model).__name__} is not a dtlab.zero.FullyShardedDataParallel: "
             "wrap the model first (torch.save suits an unsharded one)"
         )
-    return [(u, u.shard) for u in model._units if u.shard is not None]
+    return model
 
 
 def _check_optimizer(model, optimizer) -> None:
-    ours = {id(s) for _, s in _shards(model)}
+    ours = {id(p) for p in model.parameters()}
     theirs = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if not theirs <= ours:
         raise ValueError(
@@ -69,29 +73,48 @@ def _check_optimizer(model, optimizer) -> None:
         )
 
 
+def _elementwise(value, tensor) -> bool:
+    """Whether an optimizer state value holds one number per element of ``tensor``
+    (Adam's moments), not one per tensor (its step count)."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == tensor.shape
+
+
+def _saved(value, flat: bool):
+    """A state value as a checkpoint keeps it: on the CPU, flattened if per
+    element."""
+    if not torch.is_tensor(value):
+        return value
+    value = value.detach().cpu().clone()
+    return value.reshape(-1) if flat else value
+
+
 def save_sharded(path, model, optimizer=None, *, extra: dict | None = None) -> str:
-    """Every rank writes its slices to ``path/rankNNNNN.pt``; rank 0 writes
+    """Every rank writes its pieces to ``path/rankNNNNN.pt``; rank 0 writes
     ``path/meta.json``. A collective (ends with a barrier). Returns ``path``."""
+    model = _sharded(model)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     if optimizer is not None:
         _check_optimizer(model, optimizer)
-    n_shards = model._n_shards
-    units, state = [], {}
-    for u, shard in _shards(model):
-        units.append(dict(name=u.name, numel=u.numel, padded=u.padded, S=u.S))
-        entry = {"shard": shard.detach().cpu().clone()}
-        if optimizer is not None:
-            entry["optim"] = {
-                k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                for k, v in optimizer.state.get(shard, {}).items()
-            }
-        state[u.name] = entry
+    pieces = {}
+    for shard in model.local_shards():
+        entry = {
+            "start": shard.start,
+            "stop": shard.stop,
+            "tensor": shard.tensor.detach().reshape(-1).cpu().clone(),
+        }
+        if optimizer is not None and shard.tensor in optimizer.state:
+            state = optimizer.state[shard.tensor]
+            flat = [k for k, v in state.items() if _elementwise(v, shard.tensor)]
+            entry["elementwise"] = flat
+            entry["state"] = {k: _saved(v, k in flat) for k, v in state.items()}
+        pieces[shard.name] = entry
+    rank = model.rank if model.n_shards > 1 else 0
     payload = {
-        "world_size": n_shards,
-        "rank": model.rank if n_shards > 1 else 0,
+        "world_size": model.n_shards,
+        "rank": rank,
         "stage": model.stage,
-        "units": state,
+        "params": pieces,
         "param_groups": (
             [
                 {k: v for k, v in g.items() if k != "params"}
@@ -102,20 +125,45 @@ def save_sharded(path, model, optimizer=None, *, extra: dict | None = None) -> s
         ),
         "extra": extra or {},
     }
-    if n_shards > 1 or model.rank == 0:  # stage 0: one copy is the whole state
-        torch.save(payload, _file(path, payload["rank"]))
-    if model.rank == 0:
+    # one writer per shard: stage 0 has one copy of the whole state, and under HSDP
+    # every replica holds the same shards (replica 0 writes them)
+    first_replica = getattr(model, "replica_rank", 0) == 0
+    if first_replica and (model.n_shards > 1 or model.rank == 0):
+        torch.save(payload, _file(path, rank))
+    if model.rank == 0 and first_replica:
+        units = [
+            {
+                "name": u["name"],
+                "numel": u["numel"],
+                "padded": u["padded"],
+                "S": u["S"],
+                "params": [[name, offset] for name, _, offset in u["params"]],
+            }
+            for u in model.units
+        ]
+        meta = {"world_size": model.n_shards, "stage": model.stage, "units": units}
         with open(os.path.join(path, META), "w", encoding="utf-8") as f:
-            json.dump({"world_size": n_shards, "stage": model.stage, "units": units}, f)
+            json.dump(meta, f)
     comm.barrier(model.process_group, tag="checkpoint")
+    if getattr(model, "replicate_group", None) is not None:  # HSDP: replica 0 wrote
+        comm.barrier(model.replicate_group, tag="checkpoint")
     return path
+
+
+def _old_pieces(meta):
+    """``{param name: (offset, S)}`` of the saved layout: where each parameter sits
+    in its unit's flat buffer, and the slice length the old ranks had."""
+    return {
+        name: (offset, u["S"]) for u in meta["units"] for name, offset in u["params"]
+    }
 
 
 @torch.no_grad()
 def load_sharded(path, model, optimizer=None) -> dict:
-    """Restore this rank's slices (and the optimizer's) from :func:`save_sharded`'s
+    """Restore this rank's pieces (and the optimizer's) from :func:`save_sharded`'s
     files, resharding when the world size changed. A collective. Returns the
     ``extra`` dict saved with the checkpoint."""
+    model = _sharded(model)
     path = os.fspath(path)
     meta_file = os.path.join(path, META)
     if not os.path.exists(meta_file):
@@ -124,7 +172,7 @@ def load_sharded(path, model, optimizer=None) -> dict:
         meta = json.load(f)
     if optimizer is not None:
         _check_optimizer(model, optimizer)
-    old_units = {u["name"]: u for u in meta["units"]}
+    where = _old_pieces(meta)
     cache: dict[int, dict] = {}
 
     def old(rank):
@@ -132,89 +180,103 @@ def load_sharded(path, model, optimizer=None) -> dict:
             cache[rank] = torch.load(_file(path, rank), weights_only=True)
         return cache[rank]
 
-    for u, shard in _shards(model):
-        saved = old_units.get(u.name)
-        if saved is None or saved["numel"] != u.numel:
+    saved = {u["name"]: u["numel"] for u in meta["units"]}
+    for u in model.units:
+        if saved.get(u["name"]) != u["numel"]:
             raise ValueError(
-                f"unit {u.name!r} ({u.numel} parameters) is not in the checkpoint or "
-                f"has another size there ({saved and saved['numel']}): it was saved "
-                "from a different model"
+                f"unit {u['name']!r} ({u['numel']} parameters) is not in the "
+                f"checkpoint or has another size there ({saved.get(u['name'])}): it "
+                "was saved from a different model"
             )
-        S0 = saved["S"]
-        lo, hi = u.lo, min(u.lo + u.S, u.numel)  # the real elements of my slice
+    for shard in model.local_shards():
+        offset, S0 = where[shard.name]
+        # the old ranks whose slices overlap mine, and their pieces of the parameter
+        first, last = (offset + shard.start) // S0, (offset + shard.stop - 1) // S0
+        olds = [old(j)["params"][shard.name] for j in range(first, last + 1)]
 
-        def cut(get, u=u, lo=lo, hi=hi, S0=S0, dtype=shard.dtype):
-            return _cut(old, u.name, get, lo, hi, u.S, S0, dtype)
+        def cut(get, olds=olds, shard=shard):
+            """My piece of a per-element tensor, from the old pieces it overlaps."""
+            parts = []
+            for e in olds:
+                a, b = max(shard.start, e["start"]), min(shard.stop, e["stop"])
+                parts.append(get(e)[a - e["start"] : b - e["start"]])
+            return torch.cat(parts).view_as(shard.tensor)
 
-        shard.copy_(cut(lambda e: e["shard"]))
-        if optimizer is None:
-            continue
-        # per-tensor state is the same on every old rank: read it from one we need
-        first = old(min(lo // S0, meta["world_size"] - 1))["units"][u.name]
-        first = first.get("optim", {})
+        shard.tensor.copy_(cut(lambda e: e["tensor"]))
+        if optimizer is None or "state" not in olds[0]:
+            continue  # no optimizer state: the parameter never had a gradient
+        if any(e.get("elementwise") != olds[0]["elementwise"] for e in olds):
+            raise ValueError(
+                f"the saved pieces of {shard.name} disagree on its optimizer state: "
+                "a checkpoint of another run mixed in?"
+            )
         new_state = {}
-        for key, value in first.items():
-            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == S0:
-                t = cut(lambda e, key=key: e["optim"][key])
-                new_state[key] = t.to(shard.device)
-            elif torch.is_tensor(value):
-                new_state[key] = value.clone()  # a per-tensor value: Adam's step
-            else:
-                new_state[key] = value
-        optimizer.state[shard] = new_state
+        for key, value in olds[0]["state"].items():
+            if key in olds[0]["elementwise"]:
+                t = cut(lambda e, key=key: e["state"][key])
+                new_state[key] = t.to(shard.tensor.device)
+            else:  # per tensor (Adam's step): every piece of the parameter has it
+                new_state[key] = value.clone() if torch.is_tensor(value) else value
+        optimizer.state[shard.tensor] = new_state
     if optimizer is not None:
         groups = old(0)["param_groups"] or []
-        for g, saved in zip(optimizer.param_groups, groups):
-            g.update(saved)
-    if model.stage <= 2:
-        model.sync_params()  # the full weights follow the restored slices
+        for g, saved_group in zip(optimizer.param_groups, groups):
+            g.update(saved_group)
+    model.sync_params()  # stages 0-2: the full weights follow the restored slices
     return old(0)["extra"]
-
-
-def _cut(old, name, get, lo, hi, S, S0, dtype) -> torch.Tensor:
-    """The new slice ``[lo, hi)`` (``S`` long with padding) of a flat per-element
-    tensor, from the old slices of length ``S0`` that overlap it."""
-    pieces = []
-    for j in range(lo // S0, -(-hi // S0)):  # old ranks whose slices overlap mine
-        t = get(old(j)["units"][name])
-        a, b = max(lo, j * S0), min(hi, (j + 1) * S0)
-        if a < b:
-            pieces.append(t[a - j * S0 : b - j * S0])
-    out = torch.zeros(S, dtype=pieces[0].dtype if pieces else dtype)
-    if pieces:
-        out[: hi - lo] = torch.cat(pieces)
-    return out
 
 
 @torch.no_grad()
 def gather_full_optimizer_state(model, optimizer) -> dict[str, dict]:
-    """``{param name: {state key: full tensor}}``: per-element state all-gathered and
-    cut back into the unwrapped model's parameters (the form a single-process
-    optimizer keeps). A collective."""
+    """``{param name: {state key: full tensor}}`` for every parameter that has
+    optimizer state: per-element state all-gathered (in each unit's flat layout) and
+    cut back into the unwrapped model's parameters, per-tensor state (the step) from
+    the rank holding the parameter's first element. The form a single-process
+    optimizer keeps. A collective."""
+    model = _sharded(model)
     _check_optimizer(model, optimizer)
+    shards = {s.name: s for s in model.local_shards()}
+    # the keys, from any state this rank holds (every rank runs the same optimizer)
+    elementwise, per_tensor = {}, {}
+    for s in shards.values():
+        for k, v in optimizer.state.get(s.tensor, {}).items():
+            if _elementwise(v, s.tensor):
+                elementwise[k] = v.dtype
+            elif torch.is_tensor(v):
+                per_tensor[k] = v.dtype
     out: dict[str, dict] = {}
-    for u, shard in _shards(model):
-        for key, value in optimizer.state.get(shard, {}).items():
-            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == u.S:
-                src = value.detach().to(model.device)
-                if model._n_shards > 1:
-                    full = torch.empty(u.S * model._n_shards, dtype=src.dtype,
-                                       device=src.device)  # fmt: skip
-                    comm.all_gather(
-                        full, src, model.process_group, tag="zero/gather-full"
-                    )
-                else:
-                    full = src
-                full = full.cpu()
-                for name, p, off, k in u.entries:
-                    out.setdefault(name, {})[key] = (
-                        full[off : off + k].view(p.shape).clone()
-                    )
-            else:
-                for name, *_ in u.entries:
-                    out.setdefault(name, {})[key] = (
-                        value.clone() if torch.is_tensor(value) else value
-                    )
+    for u in model.units:
+        names = [name for name, _, _ in u["params"]]
+        # per parameter: [has state, per-tensor values...], from its first element's
+        # owner; an all-reduce sum gives every rank every row
+        rows = torch.zeros(len(names), 1 + len(per_tensor), dtype=torch.float64)
+        flats = {k: torch.zeros(u["S"], dtype=dt) for k, dt in elementwise.items()}
+        for i, (name, _, offset) in enumerate(u["params"]):
+            s = shards.get(name)
+            state = optimizer.state.get(s.tensor, {}) if s is not None else {}
+            if not state:
+                continue
+            at = offset + s.start - u["lo"]
+            for k in elementwise:
+                flats[k][at : at + s.tensor.numel()] = state[k].reshape(-1).cpu()
+            if s.start == 0:
+                rows[i, 0] = 1.0
+                for j, k in enumerate(per_tensor, start=1):
+                    rows[i, j] = float(state[k])
+        if model.n_shards > 1:
+            rows = rows.to(model.device)
+            comm.all_reduce(rows, group=model.process_group, tag="zero/gather-full")
+            rows = rows.cpu()
+        fulls = {k: model.gather_slices(flat) for k, flat in flats.items()}
+        for i, (name, shape, offset) in enumerate(u["params"]):
+            if not rows[i, 0]:
+                continue
+            numel = torch.Size(shape).numel()
+            entry = out[name] = {}
+            for k, full in fulls.items():
+                entry[k] = full[offset : offset + numel].view(shape).clone()
+            for j, (k, dt) in enumerate(per_tensor.items(), start=1):
+                entry[k] = rows[i, j].to(dt).clone()
     return out
 
 
@@ -261,6 +323,8 @@ def _reshardable(trainer) -> str | None:
     layout, config = trainer.topo.layout, trainer.config
     if layout.tp > 1 or layout.pp > 1 or config.precision != "fp32":
         return None
+    if layout.cp > 1 or layout.ep > 1 or config.zero_shard_size is not None:
+        return None  # beyond 3D: bound to its layout too
     return "replicated" if trainer.parts.zero_stage is None else "sharded"
 
 

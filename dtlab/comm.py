@@ -26,14 +26,43 @@ phase, then all-gather phase, ``2(N-1)`` steps — so its traffic is real traffi
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 
-from dtlab import telemetry
+from dtlab import opwatch, telemetry
 from dtlab.estimate import wire_bytes as _wire_bytes
 from dtlab.events import Kind
+from dtlab.opwatch import (  # what each rank is doing, read through comm too
+    current_op,
+    describe_op,
+    forget_ops,
+    unwatch,
+    watch,
+)
+
+__all__ = [
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    "all_to_all_single",
+    "all_to_all",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "ring_all_reduce",
+    "group_size",
+    "group_rank",
+    "global_rank",
+    "current_op",
+    "describe_op",
+    "forget_ops",
+    "watch",
+    "unwatch",
+]
 
 ReduceOp = dist.ReduceOp
 
@@ -49,11 +78,15 @@ def _resolve(group):
 
 
 def group_size(group=None) -> int:
+    if hasattr(group, "ranks") and hasattr(group, "size"):  # an Axis knows (even
+        return group.size  # one of a single rank, whose group is None)
     pg, _ = _resolve(group)
     return dist.get_world_size(pg)
 
 
 def group_rank(group=None) -> int:
+    if hasattr(group, "ranks") and hasattr(group, "index"):
+        return group.index
     pg, _ = _resolve(group)
     return dist.get_rank(pg)
 
@@ -64,73 +97,6 @@ def global_rank(group, group_rank_: int) -> int:
     if pg is None:
         return group_rank_
     return dist.get_global_rank(pg, group_rank_)
-
-
-# ---- what this rank is doing (for error messages) --------------------------------
-# A rank that hangs or fails is reported with the collective it was in. Each call
-# sets ``_NOW[0]`` before it blocks and clears it after (an exception leaves it set:
-# the failed op is the one to report); ``_LAST[0]`` keeps the last one finished.
-# ``watch(fn)`` mirrors every change to ``fn`` (the lab writes it where the notebook
-# can read it while the rank is stuck). Cost with nobody watching: two assignments.
-_NOW: list = [None]  # (op, numel, dtype, axis, tag, t_wall) or None
-_LAST: list = [None]
-_WATCHERS: list = []
-
-
-def _enter(entry) -> None:
-    _NOW[0] = entry
-    for w in _WATCHERS:
-        w(entry, True)
-
-
-def _leave(entry) -> None:
-    _NOW[0] = None
-    _LAST[0] = entry
-    for w in _WATCHERS:
-        w(entry, False)
-
-
-def _entry(op, tensor, axis, tag):
-    if tensor is None:
-        return (op, 0, None, axis, tag, time.time())
-    return (op, tensor.numel(), tensor.dtype, axis, tag, time.time())
-
-
-def describe_op(entry) -> str:
-    """``all_reduce(numel=1024, float32, group dp, tag 'ddp/bucket0')``."""
-    op, numel, dtype, axis, tag, _ = entry
-    dtype = str(dtype).replace("torch.", "") if dtype is not None else None
-    parts = [f"numel={numel}"] + ([dtype] if dtype else []) + [f"group {axis}"]
-    if tag is not None:
-        parts.append(f"tag {tag!r}")
-    return f"{op}({', '.join(parts)})"
-
-
-def current_op() -> str:
-    """What this rank is doing, in words: the collective it is blocked in (or
-    failed in), else the last one it finished."""
-    now, last = _NOW[0], _LAST[0]
-    if now is not None:
-        return f"in {describe_op(now)} for {time.time() - now[5]:.1f}s"
-    if last is not None:
-        return f"not in a collective (the last one: {describe_op(last)})"
-    return "not in a collective (none yet)"
-
-
-def forget_ops() -> None:
-    """Start a new call with a clean slate (the lab does this per ``cluster.run``)."""
-    _NOW[0] = _LAST[0] = None
-
-
-def watch(fn) -> None:
-    """``fn(entry, active)`` on every collective start (True) and end (False)."""
-    if fn not in _WATCHERS:
-        _WATCHERS.append(fn)
-
-
-def unwatch(fn) -> None:
-    if fn in _WATCHERS:
-        _WATCHERS.remove(fn)
 
 
 class _Once:
@@ -166,13 +132,13 @@ class _Recorded:
 
     def wait(self, timeout=None):
         if self._entry is not None:
-            _enter(self._entry)  # blocked here, so this is the op to report
+            opwatch.enter(self._entry)  # blocked here, so this is the op to report
         if timeout is None:
             self._work.wait()
         else:
             self._work.wait(timeout)
         if self._entry is not None:
-            _leave(self._entry)
+            opwatch.leave(self._entry)
         self._record()
         return True
 
@@ -194,9 +160,9 @@ class _Waiting:
         self._entry = entry
 
     def wait(self, timeout=None):
-        _enter(self._entry)
+        opwatch.enter(self._entry)
         done = self._work.wait() if timeout is None else self._work.wait(timeout)
-        _leave(self._entry)
+        opwatch.leave(self._entry)
         return done
 
     def __getattr__(self, name):
@@ -211,11 +177,11 @@ def _call(
     point-to-point event also carries ``peer``, the other side's global rank;
     ``extra``, fields of one op's own (an all-to-all's row and exact wire bytes)."""
     rec = telemetry.current()
-    entry = _entry(op, tensor_for_bytes, group_axis, tag)
+    entry = opwatch.entry(op, tensor_for_bytes, group_axis, tag)
     t_start = rec.now() if rec.enabled else 0.0
-    _enter(entry)
+    opwatch.enter(entry)
     work = run()  # an exception leaves ``entry`` as the current op, on purpose
-    _leave(entry)
+    opwatch.leave(entry)
     if not rec.enabled:
         return _Waiting(work, entry) if async_op else work
     numel = tensor_for_bytes.numel()
@@ -339,10 +305,10 @@ def barrier(group=None, *, tag=None):
     pg, axis = _resolve(group)
     rec = telemetry.current()
     t_start = rec.now() if rec.enabled else 0.0
-    entry = _entry("barrier", None, axis, tag)
-    _enter(entry)
+    entry = opwatch.entry("barrier", None, axis, tag)
+    opwatch.enter(entry)
     dist.barrier(group=pg)
-    _leave(entry)
+    opwatch.leave(entry)
     if rec.enabled:
         rec.emit(
             Kind.COMM,

@@ -12,7 +12,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from dtlab.checks import integer, positive_int
-from dtlab.events import CHECKPOINTING, PRECISIONS, SCHEDULES, STRATEGIES
+from dtlab.events import (
+    CHECKPOINTING,
+    CP_VARIANTS,
+    PRECISIONS,
+    SCHEDULES,
+    STRATEGIES,
+)
 from dtlab.model import GPTConfig
 from dtlab.parallelize import check_composition
 from dtlab.topology import Layout
@@ -39,12 +45,17 @@ class TrainConfig:
       ``interleaved``, ``zb_h1``), ``microbatches`` per flush and dp rank (None: pp),
       ``chunks`` (virtual stages per rank, interleaved only).
     - Tensor parallelism (chapter 04): ``sequence_parallel`` (needs tp > 1).
+    - Context parallelism (chapter 11, when the layout's ``cp > 1``):
+      ``cp_variant``, ``"ring"`` or ``"ulysses"``. Expert parallelism (``ep > 1``)
+      needs a mixture of experts in ``model`` (``n_experts > 1``).
     - ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (chapter 06, :mod:`dtlab.amp`:
       16-bit compute with fp32 master weights; fp16 adds the dynamic loss scaler).
     - ``activation_checkpointing``: ``"none"``, ``"selective"`` (recompute the
       attention core) or ``"full"`` (recompute each block), chapter 08.
     - AdamW: ``lr``, ``weight_decay``, ``betas``; ``grad_clip`` (global norm) or None.
-    - DDP: ``bucket_cap_mb``, ``find_unused_parameters``. ZeRO: ``offload``.
+    - DDP: ``bucket_cap_mb``, ``find_unused_parameters``. ZeRO: ``offload``, and
+      ``zero_shard_size`` for HSDP (shard within groups of that many data-parallel
+      ranks, replicate across the groups; None: shard over all of them).
 
     :meth:`check` says before any process starts whether a world can run it;
     :meth:`to_dict` / :meth:`from_dict` round-trip it through JSON.
@@ -68,6 +79,8 @@ class TrainConfig:
     chunks: int = 1
     # ---- tensor parallelism (chapter 04)
     sequence_parallel: bool = False
+    # ---- context parallelism (chapter 11, when cp > 1)
+    cp_variant: str = "ring"
     # ---- precision (chapter 06) and activation memory (chapter 08)
     precision: str = "fp32"
     activation_checkpointing: str = "none"
@@ -76,6 +89,8 @@ class TrainConfig:
     find_unused_parameters: bool = False
     # ---- ZeRO (chapter 03): master weights, gradients, optimizer state on the host
     offload: bool = False
+    # ---- HSDP (chapter 11): ZeRO shards within groups of this many replicas
+    zero_shard_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, GPTConfig):
@@ -90,6 +105,8 @@ class TrainConfig:
             positive_int(name, getattr(self, name))
         if self.microbatches is not None:
             positive_int("microbatches", self.microbatches)
+        if self.zero_shard_size is not None:
+            positive_int("zero_shard_size", self.zero_shard_size)
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.grad_clip is not None and not self.grad_clip > 0:
@@ -100,6 +117,7 @@ class TrainConfig:
             ("schedule", SCHEDULES),
             ("precision", PRECISIONS),
             ("activation_checkpointing", CHECKPOINTING),
+            ("cp_variant", CP_VARIANTS),
         )
         for name, allowed in choices:
             if getattr(self, name) not in allowed:

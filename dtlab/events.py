@@ -33,6 +33,7 @@ __all__ = [
     "SCHEDULES",
     "schedule_name",
     "CHECKPOINTING",
+    "CP_VARIANTS",
     "MEMORY_CATEGORIES",
     "HOST_CATEGORIES",
     "STATE_CATEGORIES",
@@ -103,6 +104,10 @@ def schedule_name(schedule: str) -> str:
         raise ValueError(f"unknown schedule {schedule!r}: expected one of {SCHEDULES}")
     return key
 
+
+CP_VARIANTS = ("ring", "ulysses")
+"""Context parallelism's attention (chapter 11): K/V blocks round a ring, or two
+all-to-alls from sequence shards to head shards and back."""
 
 CHECKPOINTING = ("none", "selective", "full")
 """Activation checkpointing (chapter 08): none, the attention core, whole blocks."""

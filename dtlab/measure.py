@@ -36,13 +36,18 @@ def _shape(config, layout: Layout) -> tuple[int, int, int]:
 
 def predicted_traffic(config, layout: Layout) -> dict:
     """Wire bytes one rank sends per optimizer step, by axis
-    (:func:`dtlab.estimate.layout_traffic`)."""
+    (:func:`dtlab.estimate.layout_traffic`), named as the run's telemetry names
+    them (the gradients travel on ``dp_cp`` when cp > 1)."""
     per_step, _, rows = _shape(config, layout)
-    return estimate.layout_traffic(
+    out = estimate.layout_traffic(
         config.model, layout, zero_stage=_zero_stage(config.strategy),
         precision=config.precision, micro_batch_size=rows, microbatches=per_step,
         sequence_parallel=config.sequence_parallel, chunks=config.chunks,
+        cp_variant=config.cp_variant,
     )  # fmt: skip
+    if layout.cp > 1:
+        out["dp_cp"] = out.pop("dp")
+    return out
 
 
 def predicted_memory(config, layout: Layout, stage=None) -> dict:
@@ -55,7 +60,7 @@ def predicted_memory(config, layout: Layout, stage=None) -> dict:
         schedule=config.schedule, chunks=config.chunks,
         checkpointing=config.activation_checkpointing,
         sequence_parallel=config.sequence_parallel, offload=config.offload,
-        stage=stage, activations="dtlab",
+        stage=stage, activations="dtlab", cp_variant=config.cp_variant,
     )  # fmt: skip
 
 

@@ -285,8 +285,14 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence length {T} exceeds the model's seq_len={self.config.seq_len}"
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        pos = self.positions(T, idx.device)  # (T,)
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+    def positions(self, T: int, device=None) -> torch.Tensor:
+        """The positions of ``T`` tokens: ``0..T-1`` (under context parallelism,
+        :func:`dtlab.context_parallel.apply_context_parallel` replaces this with
+        the global positions of the rank's tokens)."""
+        return torch.arange(T, device=device)
 
     def output(
         self, x: torch.Tensor, targets: torch.Tensor | None = None
@@ -296,7 +302,9 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         V = logits.shape[-1]
-        loss = F.cross_entropy(logits.view(-1, V), targets.reshape(-1))
+        # the loss in fp32 whatever the logits' dtype, as autocast computes it: a
+        # 16-bit loss's gradient S = 2^16 is already inf in fp16 (dtlab.amp)
+        loss = F.cross_entropy(logits.view(-1, V).float(), targets.reshape(-1))
         if self.config.n_experts > 1:  # the MoE layers' load-balancing losses
             loss = loss + moe_aux_loss(self)
         return logits, loss

@@ -58,12 +58,20 @@ from torch import nn
 
 from dtlab import amp, comm
 from dtlab.events import zero_stage
+from dtlab.global_norm import global_norm_fn
 from dtlab.memory import count_bytes
 from dtlab.model import GPT
 from dtlab.recompute import apply_activation_checkpointing
 from dtlab.topology import Topology
 
-__all__ = ["Parallelized", "parallelize", "check_composition"]
+__all__ = [
+    "Parallelized",
+    "parallelize",
+    "check_composition",
+    "replica_axis",
+    "expert_parameters",
+    "reduce_expert_gradients",
+]
 
 
 # ---- what composes -------------------------------------------------------------------
@@ -78,11 +86,81 @@ def check_composition(config, layout) -> None:
             "unit's gradient when the unit's backward ends; use strategy='ddp' with "
             "zb_h1, or another schedule with ZeRO"
         )
+    if config.zero_shard_size is not None:
+        replicas = layout.dp * layout.cp
+        if not zero:
+            raise ValueError(
+                "zero_shard_size is HSDP's shard group: it needs a ZeRO strategy "
+                f"(zero1-zero3), not {config.strategy!r}"
+            )
+        if replicas % config.zero_shard_size:
+            raise ValueError(
+                f"zero_shard_size={config.zero_shard_size} does not divide the "
+                f"{replicas} data-parallel ranks: HSDP cuts them into equal shard "
+                "groups"
+            )
     if config.offload and not zero:
         raise ValueError(
             f"offload keeps ZeRO's master shards on the host; strategy "
             f"{config.strategy!r} has none: use a zero strategy or offload=False"
         )
+    _check_beyond_3d(config, layout, zero)
+
+
+def _check_beyond_3d(config, layout, zero: bool) -> None:
+    """What context and expert parallelism compose with (chapter 11)."""
+    mc, cp, ep = config.model, layout.cp, layout.ep
+    if cp > 1:
+        for axis in ("tp", "pp"):
+            if layout.size(axis) > 1:
+                raise ValueError(
+                    f"cp={cp} with {axis}={layout.size(axis)} is not composed in "
+                    "dtlab: context parallelism runs a whole GPT's attention over "
+                    f"the cp ranks; put the ranks on dp, cp and ep, with {axis}=1"
+                )
+        if config.activation_checkpointing != "none":
+            raise ValueError(
+                "activation checkpointing with cp > 1 is not composed in dtlab: the "
+                "recomputation would run the ring's collectives again in backward; "
+                "use activation_checkpointing='none'"
+            )
+        if config.cp_variant == "ring" and mc.seq_len % (2 * cp):
+            raise ValueError(
+                f"ring attention gives each of cp={cp} ranks two of 2*cp equal "
+                f"chunks of the sequence: seq_len={mc.seq_len} must be a multiple "
+                f"of {2 * cp}"
+            )
+        if config.cp_variant == "ulysses" and (mc.seq_len % cp or mc.n_heads % cp):
+            raise ValueError(
+                f"Ulysses gives each of cp={cp} ranks seq_len/cp tokens, then "
+                f"n_heads/cp heads: seq_len={mc.seq_len} and n_heads={mc.n_heads} "
+                f"must be multiples of {cp}"
+            )
+    if mc.n_experts > 1:
+        for axis in ("tp", "pp"):
+            if layout.size(axis) > 1:
+                raise ValueError(
+                    f"a mixture of experts with {axis}={layout.size(axis)} is not "
+                    "composed in dtlab: tensor-parallel blocks and pipeline stages "
+                    "build the dense MLP; use n_experts=1 there, or tp=pp=1"
+                )
+    if ep > 1:
+        if mc.n_experts == 1:
+            raise ValueError(
+                f"ep={ep} shards a mixture of experts, but the model has none: "
+                "give it GPTConfig(n_experts=E) with E a multiple of ep, or ep=1"
+            )
+        if mc.n_experts % ep:
+            raise ValueError(
+                f"ep={ep} ranks each hold n_experts/ep experts: n_experts="
+                f"{mc.n_experts} must be a multiple of {ep}"
+            )
+        if zero:
+            raise ValueError(
+                f"ep={ep} with {config.strategy} is not composed in dtlab: ZeRO "
+                "would reduce the experts over every replica, but each expert lives "
+                "on one rank of each ep group; use strategy='ddp' with ep > 1"
+            )
 
 
 # ---- the parts -----------------------------------------------------------------------
@@ -106,6 +184,7 @@ class Parallelized:
     modules: list[nn.Module]
     wrapped: list[nn.Module]
     pipe: object | None = None
+    shard_group: object | None = None  # what ZeRO shards over (dp, or HSDP's shard)
     optimizer: amp.MixedPrecisionOptimizer | None = field(default=None, repr=False)
 
     @property
@@ -160,11 +239,12 @@ class Parallelized:
         from dtlab.tensor_parallel import all_gather_along
 
         tp = self.topo.axis("tp")
-        pairs = []
+        pairs = []  # (the module's own parameter, its name, the full tensor)
         if self.zero_stage is not None:
-            for module, wrapper in zip(self.modules, self.wrapped):
+            for wrapper in self.wrapped:
                 full = wrapper.gather_full_params()
-                pairs += [(module, n, full[n]) for n in full]
+                own = wrapper.compute_parameters()  # whatever the module shows now
+                pairs += [(own[n], n, full[n]) for n in full]
         else:
             masters = iter(self.optimizer.masters)
             for module in self.modules:
@@ -172,11 +252,10 @@ class Parallelized:
                 for n, p in module.named_parameters():
                     if id(p) not in seen and p.requires_grad:
                         seen.add(id(p))
-                        pairs.append((module, n, next(masters).detach()))
+                        pairs.append((p, n, next(masters).detach()))
         out = {}
         mc = self.config.model
-        for module, name, t in pairs:
-            p = dict(module.named_parameters())[name]
+        for p, name, t in pairs:
             dim = getattr(p, "tensor_parallel_dim", None)
             if dim is not None and tp.size > 1:
                 t = all_gather_along(t.contiguous(), dim, tp, "gather_full")
@@ -194,7 +273,7 @@ class Parallelized:
         if self.zero_stage is None:
             model = [m.state_dict() for m in self.modules]
         else:
-            model = [w.state_dict() for w in self.wrapped]  # the flat master shards
+            model = [w.state_dict() for w in self.wrapped]  # the local shards
         return copy.deepcopy({"model": model, "optimizer": self.optimizer.state_dict()})
 
     @torch.no_grad()
@@ -215,14 +294,25 @@ def parallelize(config, topo: Topology, device: torch.device) -> Parallelized:
     of the module docstring. A collective call: every rank of the world calls it."""
     mc, layout = config.model, topo.layout
     sp = config.sequence_parallel
-    tp, pp, dp = topo.axis("tp"), topo.axis("pp"), topo.axis("dp")
+    tp, pp = topo.axis("tp"), topo.axis("pp")
+    dp = replica_axis(topo)
     policy = amp.policy(config.precision)
     stage = zero_stage(config.strategy)
     # 1. tensor parallelism, 2. pipeline partitioning. Every rank first builds the
     # plain module (its weights drawn per parameter name, so any slice of the model
-    # matches the single-process GPT), then keeps its tp slices.
+    # matches the single-process GPT), then keeps its tp slices. Beyond 3D (tp = pp
+    # = 1): expert parallelism keeps this rank's experts, context parallelism
+    # splits every sequence (attention then reaches the other cp ranks).
     if layout.pp == 1:
         modules = [GPT(mc, seed=config.seed)]
+        if layout.ep > 1:
+            from dtlab.moe import expert_parallel_gpt
+
+            expert_parallel_gpt(modules[0], topo.axis("ep"))
+        if layout.cp > 1:
+            from dtlab.context_parallel import apply_context_parallel
+
+            apply_context_parallel(modules[0], topo.axis("cp"), config.cp_variant)
     else:
         from dtlab.pipeline import build_stages
 
@@ -266,6 +356,7 @@ def parallelize(config, topo: Topology, device: torch.device) -> Parallelized:
                     bucket_cap_mb=config.bucket_cap_mb,
                     process_group=dp,
                     find_unused_parameters=config.find_unused_parameters,
+                    ignored_parameters=expert_parameters(modules[0]),
                 )
             ]
         else:  # the pipeline all-reduces over dp once, after the last flush
@@ -274,18 +365,27 @@ def parallelize(config, topo: Topology, device: torch.device) -> Parallelized:
         from dtlab.zero import FullyShardedDataParallel
 
         cdtype = dtype if policy.has_master_copy else None
+        shard, replicate = dp, None
+        if config.zero_shard_size is not None:  # HSDP: shard in groups, replicate
+            from dtlab.zero import hsdp_groups
+
+            grid = hsdp_groups(config.zero_shard_size, topo.layout.groups(dp.name))
+            shard, replicate = grid.shard, grid.replicate
         wrapped = [
             FullyShardedDataParallel(
                 module,
                 cdtype,
-                dp,
+                shard,
                 stage=stage,
                 units=_zero_units(module, pp.size > 1 and mc.tied_head),
                 offload=config.offload,
+                replicate_group=replicate,
             )
             for module in modules
         ]
     parts = Parallelized(config, topo, device, policy, stage, modules, wrapped)
+    if stage is not None:
+        parts.shard_group = shard
     if layout.pp > 1:
         from dtlab.pipeline import Pipeline
 
@@ -311,13 +411,47 @@ def parallelize(config, topo: Topology, device: torch.device) -> Parallelized:
         scaler=policy.scaler(),
         groups=None,
         grad_clip=config.grad_clip,
-        norm_fn=_norm_fn(parts),
+        norm_fn=global_norm_fn(parts),
         lr=config.lr,
         betas=config.betas,
         weight_decay=config.weight_decay,
         eps=1e-8,
     )
     return parts
+
+
+def replica_axis(topo: Topology):
+    """The ranks that hold the same dense weights: dp, or dp·cp with context
+    parallelism (its ranks split sequences, not weights)."""
+    return topo.axis("dp_cp") if topo.layout.cp > 1 else topo.axis("dp")
+
+
+def expert_parameters(module) -> list[nn.Parameter]:
+    """The parameters expert parallelism placed on this rank (reduced over the
+    ranks holding the same experts, not by DDP)."""
+    return [p for p in module.parameters() if getattr(p, "expert_parallel", False)]
+
+
+@torch.no_grad()
+def reduce_expert_gradients(parts: Parallelized) -> None:
+    """After backward under ep > 1: each expert's gradient already sums the
+    tokens of its whole ep group (the all-to-all carried them back); summed over
+    the ranks that hold the same expert (edp) and divided by the dp·cp replicas,
+    it is the gradient of the mean loss, as the single process computes it."""
+    experts = [p for m in parts.modules for p in expert_parameters(m)]
+    if not experts:
+        return
+    edp, n = parts.topo.axis("edp"), replica_axis(parts.topo).size
+    grads = [p.grad for p in experts if p.grad is not None]
+    if edp.size > 1 and grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, group=edp, tag="ep/expert-grads")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+    for g in grads:
+        g.div_(n)
 
 
 def _blocks(module) -> list[nn.Module]:
@@ -352,69 +486,3 @@ def _sum_sequence_parallel_grads(module, tp) -> None:
     for p in module.parameters():
         if getattr(p, "sequence_parallel", False):
             p.register_hook(hook)
-
-
-# ---- the global gradient norm --------------------------------------------------------
-def _counted(parts: Parallelized, module, param) -> bool:
-    """Whether this rank counts ``param``'s gradient in the global norm."""
-    tp, pp = parts.topo.axis("tp"), parts.topo.axis("pp")
-    if getattr(param, "tensor_parallel_dim", None) is None and tp.index:
-        return False  # replicated over tp: tp index 0 counts it
-    tied_copy = (
-        pp.size > 1
-        and parts.config.model.tied_head
-        and getattr(module, "last", False)
-        and not getattr(module, "first", False)
-        and param is getattr(getattr(module, "head", None), "weight", None)
-    )
-    return not tied_copy  # the first stage counts the tied embedding
-
-
-def _norm_fn(parts: Parallelized):
-    """The norm of the gradient spread over this rank's axes: ``None`` for a plain
-    replica (the optimizer measures it as ``clip_grad_norm_`` does); under ZeRO over
-    dp alone, the wrapper's own norm of its shards; else the squares of the elements
-    this rank counts, summed in float64 over every axis that splits them."""
-    layout = parts.topo.layout
-    if layout.tp == 1 and layout.pp == 1:
-        if parts.zero_stage is None:
-            return None
-        wrapper = parts.wrapped[0]
-        return lambda grads: float(wrapper.clip_grad_norm_(None))
-    if parts.zero_stage is None:
-        weights = []
-        for module in parts.modules:
-            seen = set()
-            for p in module.parameters():
-                if id(p) not in seen and p.requires_grad:
-                    seen.add(id(p))
-                    weights.append(1.0 if _counted(parts, module, p) else 0.0)
-        axes = ("tp", "pp")
-    else:
-        weights = []  # per element of each shard: 1 where this rank counts it
-        for module, wrapper in zip(parts.modules, parts.wrapped):
-            for shard, lo, entries, _ in wrapper.shards():
-                mask = torch.zeros(
-                    shard.numel(), dtype=torch.float64, device=shard.device
-                )
-                for _, p, off, k in entries:
-                    a, b = max(off, lo), min(off + k, lo + shard.numel())
-                    if a < b and _counted(parts, module, p):
-                        mask[a - lo : b - lo] = 1.0
-                weights.append(mask)
-        axes = ("dp", "tp", "pp")
-    groups = [parts.topo.axis(a) for a in axes]
-
-    def norm_fn(grads) -> float:
-        sq = torch.zeros((), dtype=torch.float64, device=parts.device)
-        for g, w in zip(grads, weights):
-            if g is None:
-                continue
-            g2 = g.detach().double().pow(2)
-            sq += (g2 * w).sum() if torch.is_tensor(w) else w * g2.sum()
-        for axis in groups:
-            if axis.size > 1:
-                comm.all_reduce(sq, group=axis, tag="grad_norm")
-        return float(sq.sqrt())
-
-    return norm_fn

@@ -203,6 +203,22 @@ def _check_axis(axis: str) -> None:
         raise ValueError(f"unknown axis {axis!r}: expected one of {AXES + DERIVED}")
 
 
+def factorisations(world_size: int, *, beyond_3d: bool = False) -> list[Layout]:
+    """Every ``Layout`` whose ranks multiply to ``world_size``, ordered by tp, then
+    pp (then cp, then ep): dp × tp × pp, and with ``beyond_3d`` every cp that
+    divides what is left and every ep that divides dp·cp (chapter 11)."""
+    positive_int("world_size", world_size)
+    out = []
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
+            rest = world_size // (tp * pp)
+            for cp in divisors(rest) if beyond_3d else [1]:
+                dp = rest // cp
+                for ep in divisors(dp * cp) if beyond_3d else [1]:
+                    out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep))
+    return out
+
+
 def layouts_for(world_size: int, **model) -> list[Layout]:
     """Every ``Layout`` with this world size that passes :meth:`Layout.validate`
     for the given model facts (``n_layers``, ``n_heads``, ...)."""

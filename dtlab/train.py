@@ -43,10 +43,16 @@ import torch.distributed as dist
 
 from dtlab import comm, telemetry
 from dtlab.config import TrainConfig, check_strategy
+from dtlab.context_parallel import shard_sequence
 from dtlab.events import CHECKPOINTING, PRECISIONS, SCHEDULES, STRATEGIES, Kind, Span
 from dtlab.memory import SavedBytes
 from dtlab.model import SyntheticTokens, shard_batch
-from dtlab.parallelize import Parallelized, parallelize
+from dtlab.parallelize import (
+    Parallelized,
+    parallelize,
+    reduce_expert_gradients,
+    replica_axis,
+)
 from dtlab.topology import Topology
 
 __all__ = [
@@ -151,6 +157,9 @@ class Trainer:
             w.zero_grad(set_to_none=True)
         x, y = self.data.batch(step, cfg.global_batch_size)  # (B, T) each
         x, y = shard_batch(x, y, self.dp.index, self.dp.size)  # (B/dp, T)
+        if self.topo.layout.cp > 1:  # this rank's tokens of every sequence
+            cp, variant = self.topo.axis("cp"), cfg.cp_variant
+            x, y = (shard_sequence(t, cp, variant).clone() for t in (x, y))
         x, y = x.to(self.device), y.to(self.device)
         k = cfg.grad_accum_steps
         counter = self._activation_counter(rec)
@@ -214,6 +223,7 @@ class Trainer:
         parts = self.parts
         if parts.pipe is None:
             parts.model.finish_gradient_synchronization()
+            reduce_expert_gradients(parts)  # ep > 1: over the ranks holding each
         elif parts.zero_stage is None:
             parts.pipe.sync_gradients()  # tied embedding, then one all-reduce over dp
         else:
@@ -223,16 +233,16 @@ class Trainer:
 
     def _sum_tied_shards(self) -> None:
         """A tied embedding across pipeline stages under ZeRO: the first stage's
-        embedding unit and the last stage's head unit hold matching flat slices;
+        embedding unit and the last stage's head unit hold matching local shards;
         their gradients are summed over the two ranks."""
         tied = self.parts.pipe.axes["tied"]
         if not self.config.model.tied_head or tied is None:
             return
-        for module, wrapper in zip(self.parts.modules, self.parts.wrapped):
-            ends = [getattr(module, "wte", None), getattr(module, "head", None)]
-            for shard, _, _, unit in wrapper.shards():
-                if shard.grad is not None and any(unit is e for e in ends if e):
-                    comm.all_reduce(shard.grad, group=tied, tag="tied-embedding")
+        for wrapper in self.parts.wrapped:
+            for shard in wrapper.local_shards():  # the same piece on either end
+                grad = shard.tensor.grad
+                if shard.name in ("wte.weight", "head.weight") and grad is not None:
+                    comm.all_reduce(grad, group=tied, tag="tied-embedding")
 
     def _local_loss(self, losses) -> float:
         """This rank's mean loss over its micro-batches; with a pipeline it lives
@@ -257,11 +267,14 @@ class Trainer:
         return SavedBytes(self.parts.weights)
 
     def _mean_over_dp(self, value: float) -> float:
-        if self.dp.size == 1:
+        """The mean over every replica (dp, and cp: its ranks hold equal shares of
+        every sequence)."""
+        replicas = replica_axis(self.topo)
+        if replicas.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        comm.all_reduce(t, group=self.dp, tag="metrics")
-        return float(t[0]) / self.dp.size
+        comm.all_reduce(t, group=replicas, tag="metrics")
+        return float(t[0]) / replicas.size
 
     def _record(self, step, local, norm, t0) -> dict:
         """The step's record (see the module docstring), with this rank's layout

@@ -36,7 +36,9 @@ SYNTHETIC = {
         "pp": {"p": 4, "steps": 5, "model": {},
                "step_s": {"dtlab 1f1b": 0.05, "torch 1f1b": 0.1},
                "bubble": {4: {"measured": 0.45, "formula": 3 / 7},
-                          8: {"measured": 0.3, "formula": 3 / 11}}},
+                          8: {"measured": 0.3, "formula": 3 / 11}},
+               "bubble_small": {"p": 2, "bubble": {
+                   4: {"measured": 0.21, "formula": 0.2}}}},
         "2d": {"world_size": 4, "steps": 8, "model": {},
                "step_s": {"dtlab": 0.06, "torch": 0.04}, "max_rel_loss_diff": 1e-7},
         "telemetry": {
@@ -76,8 +78,9 @@ def test_every_comparison_becomes_a_row_with_its_ratio():
     assert rows["dp2·tp2 ZeRO-3 step", 4]["ratio"] == pytest.approx(1.5)
     assert rows["dp2·tp2 ZeRO-3 step", 4]["against"] == "FSDP2 + DTensor TP"
     # against prediction: measured / predicted
-    assert rows["1F1B bubble m=4", 4]["ratio"] == pytest.approx(0.45 / (3 / 7))
-    assert rows["1F1B bubble m=8", 4]["reference"] == pytest.approx(3 / 11)
+    assert rows["1F1B bubble p=4 m=4", 4]["ratio"] == pytest.approx(0.45 / (3 / 7))
+    assert rows["1F1B bubble p=4 m=8", 4]["reference"] == pytest.approx(3 / 11)
+    assert rows["1F1B bubble p=2 m=4", 2]["ratio"] == pytest.approx(0.21 / 0.2)
     assert rows["ddp: sent on dp/step", 2]["ratio"] == pytest.approx(1.0)
     assert rows["ddp: sent on dp/step", 2]["dtlab"] == pytest.approx(2.0)  # MB
     assert ("ddp: sent on tp/step", 2) not in rows  # nothing sent, none predicted

@@ -69,6 +69,19 @@ def test_peers_follow_the_ring_of_each_group_and_the_pipeline():
     assert sum(map(sum, m)) == 80.0
 
 
+def test_an_all_to_all_sends_its_row_to_its_group_and_cp_has_its_own_ring():
+    layout = Layout(dp=2, cp=2, ep=4)  # ranks: cp fastest, then dp; one ep group
+    # Ulysses on cp: rank 2's cp group is [2, 3]; an ep dispatch spans all four
+    ulysses = {**_comm(2, "all_to_all", "cp", 30.0), "send_bytes": [30.0, 30.0]}
+    dispatch = {**_comm(1, "all_to_all", "ep", 60.0), "send_bytes": [10, 5, 20, 30]}
+    m = traffic_matrix([ulysses, dispatch], layout)
+    assert m[2] == [0, 0, 0, 30.0]  # what it keeps for itself is not sent
+    assert m[1] == [10, 0, 20, 30]
+    assert sum(map(sum, m)) == 90.0  # the events' wire bytes, all of them
+    # a ring collective on dp·cp (the gradients under cp) follows that group's ring
+    assert peer_of(_comm(3, "all_reduce", "dp_cp", 1), layout) == 0
+
+
 class _Clock:
     def __init__(self):
         self.t = 0.0

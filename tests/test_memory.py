@@ -12,7 +12,9 @@ from dtlab.model import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layers=4, n_heads=2, d_model=16)
 GLOBAL_BATCH = 8
-ADAM_STEP_BYTES = 4  # AdamW's per-tensor step counter: one fp32 scalar per shard
+# AdamW's per-tensor step counter: one fp32 scalar per tensor it steps. Under ZeRO
+# that is each parameter's piece in the rank's slice (dtlab.zero.units.LocalShard)
+ADAM_STEP_BYTES = 4
 
 
 # ---- on every rank -------------------------------------------------------------------
@@ -50,7 +52,7 @@ def _measure(stage, compute_dtype=None, offload=False, config=CFG, steps=2):
         "comm": [e for e in rec.events if e["kind"] == "comm" and e["step"] == last],
         "padded": model.padded_numel,
         "units": model.units,
-        "shards": len(list(model.parameters())),
+        "optimizer_tensors": len(list(model.parameters())),
     }
 
 
@@ -97,7 +99,7 @@ def test_model_states_match_the_zero_formula_exactly(cluster, fp32, precision, o
             want = estimate.zero_states_per_rank(
                 psi, n, stage, precision, offload=offload
             )
-            step_bytes = ADAM_STEP_BYTES * run["shards"]
+            step_bytes = ADAM_STEP_BYTES * run["optimizer_tensors"]
             host = "host_" if offload else ""
             assert got["params"] == want["params"], (stage, got, want)
             assert got["grads"] == want["grads"], (stage, got, want)

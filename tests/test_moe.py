@@ -225,13 +225,13 @@ def test_ep_estimates_by_hand_and_the_planner_agrees():
     assert estimate.ep_imbalance([10, 10, 10, 10]) == 1.0
     assert estimate.ep_imbalance([40, 0, 0, 0, 0, 0, 0, 0], ep=4) == 4.0
     assert estimate.ep_imbalance([3, 1, 2, 2], ep=2) == 1.0
-    # chapter 09's planner counts the same four all-to-alls (not the tiny counts)
+    # chapter 09's planner counts the same four all-to-alls and the counts' gather
     spec = dict(layers=2, hidden=h, heads=4, vocab=64, sequence=32)
     spec.update(experts=E, top_k=k)
     traffic = estimate.layout_traffic(
         spec, estimate.Parallelism(dp=ep, ep=ep), micro_batch_size=2
     )
-    assert traffic["ep"] == 2 * (uniform["wire_bytes"] - uniform["counts"])
+    assert traffic["ep"] == 2 * uniform["wire_bytes"]
     with pytest.raises(ValueError, match="do not split over ep=3"):
         estimate.ep_imbalance([1, 2, 3, 4], ep=3)
 

@@ -295,9 +295,10 @@ def test_16bit_composed_layouts_track_the_same_casts_reference(lab_cluster):
     """Tolerance as in tests/test_amp_strategies.py: the composed run rounds other
     partial sums to 16 bits than the single process (a dp slice's mean, a tp shard
     of a matmul, a 16-bit all-reduce), each rounding worth up to 2^-8 (bf16) or
-    2^-11 (fp16) relative; measured here at most ~0.5 % (bf16) and ~0.1 % (fp16),
-    allowed 2 % and 0.3 %. The first fp16 step overflows (2^16 times a loss of ~4
-    is beyond fp16's 65504) everywhere and must be skipped on every rank."""
+    2^-11 (fp16) relative; the loss is computed in fp32 from the 16-bit logits.
+    Measured here at most 9.2e-5 (bf16) and 2.8e-6 (fp16), allowed 2e-3 and 3e-4.
+    No step overflows (with the loss in fp32, 2^16 · loss is no longer inf in
+    fp16's first backward), and every rank must take the reference's decisions."""
     configs = [_config(lay, s, precision=p) for lay, s, p in PRECISION_CASES]
     results = lab_cluster(4).run(_train_many, configs, timeout=300)
     for i, config in enumerate(configs):
@@ -309,7 +310,7 @@ def test_16bit_composed_layouts_track_the_same_casts_reference(lab_cluster):
         assert all(run["losses"] == runs[0]["losses"] for run in runs), what
         assert all(run["skipped"] == runs[0]["skipped"] for run in runs), what
         assert runs[0]["skipped"] == [r["skipped"] for r in ref.records], what
-        rel = 2e-2 if config.precision == "bf16" else 3e-3
+        rel = 2e-3 if config.precision == "bf16" else 3e-4
         assert runs[0]["losses"] == pytest.approx(ref.losses, rel=rel), what
 
 

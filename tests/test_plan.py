@@ -496,8 +496,11 @@ def test_expert_parallelism_places_experts_and_all_to_alls_tokens():
     assert four["blocks"] == one["blocks"]  # attention stays replicated
     t = est.layout_traffic(moe, est.Parallelism(dp=4, ep=4), micro_batch_size=2)
     # dispatch + combine, forward and backward: 4 all-to-alls per MoE layer of
-    # b·s·top_k tokens of h values, (ep-1)/ep of them leave the rank
-    assert t["ep"] == 2 * 4 * (3 / 4) * (2 * 8 * 2 * 16 * 4)
+    # b·s·top_k tokens of h values, (ep-1)/ep of them leave the rank; and the
+    # all-gather of each rank's (E,) row counts that tells every rank the splits
+    counts = est.ep_bytes_per_layer(16, 16, 4, n_experts=4, top_k=2)["counts"]
+    assert counts > 0
+    assert t["ep"] == 2 * (4 * (3 / 4) * (2 * 8 * 2 * 16 * 4) + counts)
     # the experts' gradients are reduced only among the dp/ep ranks holding them
     dense_rank = one["root"] + 2 * one["blocks"]
     assert t["dp"] == pytest.approx(2 * 3 / 4 * dense_rank * 4)  # ep = dp: none

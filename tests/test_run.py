@@ -68,7 +68,7 @@ def test_config_files_round_trip_and_take_overrides(tmp_path):
     [
         ({**CONFIG, "stepz": 3}, [], r"unknown key 'stepz' \(did you mean 'steps'"),
         ({"model": {"n_layer": 2}}, [], "unknown model key 'n_layer'.*n_layers"),
-        ({"layout": {"ep": 2}}, [], "valid layout keys: dp, tp, pp"),
+        ({"layout": {"sp": 2}}, [], "valid layout keys: dp, tp, pp, cp, ep"),
         ({"layout": [2, 1, 1]}, [], "layout must be a table"),
         (CONFIG, ["steps"], "KEY=VALUE"),
         (CONFIG, ["optim.lr=1"], "only model, layout have nested keys"),

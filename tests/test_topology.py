@@ -129,3 +129,16 @@ def test_process_groups_on_a_live_world():
             assert ranks[index] == rank
             assert total == sum(ranks)  # the all-reduce stayed inside the group
         assert out["second"] == 4.0
+
+
+def test_factorisations_beyond_3d_fold_ep_into_dp_cp():
+    from dtlab.topology import factorisations
+
+    three_d = factorisations(4)
+    assert {(lt.dp, lt.tp, lt.pp) for lt in three_d} == {
+        (4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4),
+    }  # fmt: skip
+    beyond = factorisations(4, beyond_3d=True)
+    assert all(lt.world_size == 4 and (lt.dp * lt.cp) % lt.ep == 0 for lt in beyond)
+    assert Layout(dp=2, cp=2, ep=4) in beyond and Layout(cp=4, ep=2) in beyond
+    assert len(set(beyond)) == len(beyond) == 20

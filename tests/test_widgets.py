@@ -191,3 +191,72 @@ def test_stop_falls_back_to_an_interrupt_when_ranks_do_not_reach_a_step_boundary
     # the cluster resets its process group by itself for the next run
     run = start_run(cluster, BASE.replace(steps=2)).wait(60)
     assert [len(r) for r in run.records] == [2] * 4
+
+
+# ---- beyond 3D (chapter 11) -------------------------------------------------------
+def test_beyond_3d_panel_offers_exactly_the_cp_and_ep_layouts_that_run():
+    panel = ControlPanel(beyond_3d=True, world_sizes=(4,))
+    offered = set(panel.valid_layouts)
+    config = panel.config()
+    # by hand: the layouts of 4 ranks whose whole config TrainConfig.check accepts
+    runs = set()
+    for layout in factorisations(4, beyond_3d=True):
+        try:
+            config.replace(layout=layout).check(4)
+        except ValueError:
+            continue
+        runs.add(layout)
+    assert offered == runs and len(offered) == len(panel.valid_layouts)
+    assert Layout(dp=2, cp=2, ep=2) in offered and Layout(cp=4, ep=4) in offered
+    # the others say why in TrainConfig.check's words
+    assert "cp=2 with tp=2 is not composed" in panel.invalid.value
+    assert "a mixture of experts with pp=2" in panel.invalid.value
+    assert "and these choices" in panel.invalid.value
+    # a ZeRO strategy does not compose with ep: those layouts leave the picker
+    panel.layout.value = Layout(dp=2, cp=2, ep=2)
+    panel.strategy.value = "zero2"
+    assert {lay.ep for lay in panel.valid_layouts} == {1}
+    assert panel.layout.value in panel.valid_layouts and panel.layout.value.ep == 1
+    # the cp variant is a choice only with a cp axis, and goes into the config
+    panel.strategy.value = "ddp"
+    panel.layout.value = Layout(dp=4)
+    assert panel.cp_variant.disabled
+    panel.layout.value = Layout(cp=4)
+    assert not panel.cp_variant.disabled
+    panel.cp_variant.value = "ulysses"
+    assert panel.check().cp_variant == "ulysses" and not panel.run_button.disabled
+    # the 3D panel keeps to dp x tp x pp
+    assert all(lay.cp == lay.ep == 1 for lay in ControlPanel().valid_layouts)
+
+
+@pytest.mark.cluster
+def test_beyond_3d_run_shows_the_all_to_all_the_ring_and_the_experts(lab_cluster):
+    cluster = lab_cluster(4)
+    panel = ControlPanel(
+        cluster, beyond_3d=True, dashboard=Dashboard(min_interval=0.05)
+    )
+    panel.base = panel.base.replace(global_batch_size=8)
+    panel.layout.value = Layout(dp=2, cp=2, ep=2)
+    panel.steps.value = 2
+    assert not panel.run_button.disabled, panel.check_message.value
+    panel.run_button.click()
+    run = panel.wait(timeout=180)
+    assert not panel.errors, panel.output.outputs
+    assert [len(r) for r in run.records] == [2] * 4
+    board = panel.dashboard
+    m = board.matrix
+    layout = Layout(dp=2, cp=2, ep=2)
+    # ring attention: each rank sends to the other rank of its cp pair
+    for r in range(4):
+        (mate,) = [x for x in layout.group_of("cp", r) if x != r]
+        assert m[r][mate] > 0
+    # every byte of the matrix is one the ranks reported sending
+    sent = sum(e["wire_bytes"] for e in run.events if e.get("kind") == "comm")
+    assert sum(map(sum, m)) == pytest.approx(sent)
+    # the all-to-alls' rows land on their ep group
+    a2a = [e for e in run.events if e.get("op") == "all_to_all" and e["axis"] == "ep"]
+    assert a2a and all(len(e["send_bytes"]) == 2 for e in a2a)
+    # the experts view: every rank routed its tokens, top-2 of 4 experts
+    experts = board.figures["experts"]
+    assert len(experts.data) == 4 and all(len(t.y) == 4 for t in experts.data)
+    assert board.moe and experts in board.widget.children

@@ -1,12 +1,16 @@
 """ZeRO stages 0-3: parity with the single-process reference, with each other, with
 PyTorch's ZeroRedundancyOptimizer (stage 1) and FSDP2 fully_shard (stage 3); mixed
-precision, CPU offload, gradient accumulation; sharded checkpoints and resharding.
+precision, CPU offload, gradient accumulation; sharded checkpoints and resharding;
+frozen and unused parameters left alone by the optimizer, bit for bit against plain
+torch optimizers; the module's own gradients after backward; and where fp32 ZeRO is
+exactly one process (and where the order of float sums makes it not).
 
 Everything runs on one 4-engine cluster; the 2-rank cases use a process group of
 ranks 0 and 1 (ranks 2 and 3 sit that run out), so no second cluster is started."""
 
 import contextlib
 import copy
+import itertools
 
 import pytest
 import torch
@@ -325,9 +329,12 @@ def test_stage1_matches_zero_redundancy_optimizer(cluster, n):
     # behind the same torch DDP, the gradients are identical: the update must be too
     assert ours["losses"] == torch_run["losses"]
     _assert_params_equal(ours["params"], torch_run["params"])
-    # each rank holds Adam's two states for 1/n of the (padded) parameters
-    psi = sum(p.numel() for p in GPT(CFG).parameters())
-    assert ours["state_numel"] == 2 * (-(-psi // n)) + 1  # + AdamW's step counter
+    # rank 0 holds Adam's two moments for its 1/n slice of the parameters, and one
+    # step counter per parameter piece in that slice
+    sizes = [p.numel() for p in GPT(CFG).parameters()]
+    S = -(-sum(sizes) // n)
+    pieces = sum(start < S for start in itertools.accumulate([0] + sizes[:-1]))
+    assert ours["state_numel"] == 2 * S + pieces
     wrapper = out["wrapper"]
     if n == 2:  # a + b: one order only, so even a different bucket layout agrees
         assert wrapper["losses"] == torch_run["losses"]
@@ -446,3 +453,358 @@ def test_bad_input_is_named(cluster):
     assert "needs ZeRO stage 0 or 1" in msgs["no_sync2"]
     assert "reduce_gradients()" in msgs["unreduced"]
     assert msgs["stepped"]
+
+
+# ---- what the optimizer may not touch: frozen and unused parameters ------------------
+# Bit for bit against one process, which is possible here: on 2 ranks the same-order
+# reference (each rank's gradient computed on its own, halved, added: a + b has one
+# order) does in one process exactly the sums ZeRO does, and element-wise optimizers
+# compute on a piece of a parameter what they compute on the whole.
+EXACT_STEPS = 4
+EXACT_BATCH = 8
+EXACT_OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)),
+    "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
+}
+FROZEN = ("blocks.0.frozen.weight", "blocks.0.frozen.bias")
+FROZEN += ("blocks.1.frozen.weight", "blocks.1.frozen.bias")
+
+
+def _branchy():
+    """Two blocks (ZeRO units) and a head. In each block a frozen layer sits between
+    two trained ones, cut by the boundary between the 2 ranks' slices (block: 195
+    elements, slices of 98), and a side branch runs on even steps only. Built inside
+    a function so that the engines get the classes with it."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 7)
+            self.frozen = nn.Linear(7, 7).requires_grad_(False)
+            self.b = nn.Linear(7, 6)
+            self.side = nn.Linear(6, 6)
+
+        def forward(self, x, even):  # (B, 6) -> (B, 6)
+            h = self.b(torch.tanh(self.frozen(torch.tanh(self.a(x)))))
+            return x + h + self.side(x) if even else x + h
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x, step):  # (B, 6) -> (B, 3)
+            for block in self.blocks:
+                x = block(x, step % 2 == 0)
+            return self.head(x)
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return Branchy()
+
+
+def _branchy_loss(model, step, rank, n, dtype=torch.float32):
+    from dtlab.model import regression_batch, shard_batch
+
+    x, y = shard_batch(*regression_batch(step, EXACT_BATCH, 6, 3), rank, n)
+    return torch.nn.functional.mse_loss(model(x.to(dtype), step), y.to(dtype))
+
+
+def _same_order_reference(opt_name, n=2):
+    """One process adding the 2 ranks' halved gradients (``None`` where neither has
+    one), then a plain torch optimizer step. Also the averaged gradients of step 0."""
+    model = _branchy()
+    cls, options = EXACT_OPTIMIZERS[opt_name]
+    opt = cls(model.parameters(), **options)
+    first_grads = None
+    for step in range(EXACT_STEPS):
+        halves = []
+        for r in range(n):
+            model.zero_grad(set_to_none=True)
+            _branchy_loss(model, step, r, n).backward()
+            grads = {k: p.grad for k, p in model.named_parameters()}
+            halves.append({k: g / n for k, g in grads.items() if g is not None})
+        for name, p in model.named_parameters():
+            p.grad = halves[0][name] + halves[1][name] if name in halves[0] else None
+        if step == 0:
+            first_grads = {k: p.grad for k, p in model.named_parameters()}
+        opt.step()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    state = {k: opt.state[p] for k, p in model.named_parameters() if p in opt.state}
+    return params, state, first_grads
+
+
+def _frozen_and_unused(opt_name):
+    """On 2 ranks: every ZeRO stage (and offload) and ZeRO-1 as an optimizer behind
+    dtlab's DDP train the branchy model with ``opt_name``; the final weights and
+    (through the checkpoint module) the optimizer state, gathered whole."""
+    from dtlab.checkpoint import gather_full_optimizer_state
+    from dtlab.ddp import DistributedDataParallel
+    from dtlab.zero import FullyShardedDataParallel, ShardedOptimizer
+
+    g = _group(2)
+    if g is None:
+        return None
+    r = torch.distributed.get_rank()
+    cls, options = EXACT_OPTIMIZERS[opt_name]
+    runs = {f"stage{s}": dict(stage=s) for s in (0, 1, 2, 3)}
+    runs |= {f"offload{s}": dict(stage=s, offload=True) for s in (0, 1, 2, 3)}
+    out = {}
+    for name, kw in runs.items():
+        model = FullyShardedDataParallel(_branchy(), None, g, **kw)
+        opt = cls(model.parameters(), **options)
+        for step in range(EXACT_STEPS):
+            _branchy_loss(model, step, r, 2).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[name] = {
+            "params": model.gather_full_params(),
+            "state": gather_full_optimizer_state(model, opt),
+        }
+    net = _branchy()
+    ddp = DistributedDataParallel(net, process_group=g, find_unused_parameters=True)
+    opt = ShardedOptimizer(net.parameters(), cls, process_group=g, **options)
+    for step in range(EXACT_STEPS):
+        _branchy_loss(ddp, step, r, 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["sharded_optimizer"] = {
+        "params": {k: p.detach().clone() for k, p in net.named_parameters()}
+    }
+    return out
+
+
+def _module_gradients(compute_dtype=None):
+    """On 2 ranks, per stage: what ``model.module.named_parameters()`` shows after
+    one backward (step 0, every trainable parameter used), and after the next
+    forward; whether each shown gradient lives in a storage that the memory
+    accounting already counts."""
+    from dtlab.zero import FullyShardedDataParallel
+
+    g = _group(2)
+    if g is None:
+        return None
+    r = torch.distributed.get_rank()
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = FullyShardedDataParallel(_branchy(), compute_dtype, g, stage=stage)
+        _branchy_loss(model, 0, r, 2, compute_dtype or torch.float32).backward()
+        model.finish_gradient_synchronization()  # (idempotent: backward ran it)
+        counted = {t.untyped_storage().data_ptr() for _, t in model.memory_tensors()}
+        ours = {id(p) for p in model.parameters()}
+        shards = {s.name: (s.start, s.stop) for s in model.local_shards()}
+        shown = {}
+        for name, p in model.module.named_parameters():
+            grad = p.grad
+            shown[name] = dict(
+                shape=tuple(p.shape),
+                dtype=p.dtype,
+                grad=None if grad is None else grad.detach().clone(),
+                grad_shape=None if grad is None else tuple(grad.shape),
+                grad_dtype=None if grad is None else grad.dtype,
+                stepped=id(p) in ours,
+                counted=grad is None
+                or not grad.numel()
+                or grad.untyped_storage().data_ptr() in counted,
+                piece=shards.get(name),
+            )
+        with torch.no_grad():
+            model(
+                torch.zeros(1, 6, dtype=compute_dtype), 0
+            )  # a forward: the compute parameters are back
+        own = model.compute_parameters()
+        back = all(p is own[k] for k, p in model.module.named_parameters())
+        out[stage] = {"shown": shown, "back": back}
+    return out
+
+
+def test_frozen_and_unused_parameters_never_move_nor_age(cluster):
+    # Before dtlab.zero stepped per-parameter pieces, a frozen weight sharing a flat
+    # shard with trained ones got a zero gradient, and weight decay moved it (2.0 ->
+    # 1.8088 in 10 AdamW steps at lr 0.1, wd 0.1); an unused one aged Adam's step.
+    initial = {k: p.detach().clone() for k, p in _branchy().named_parameters()}
+    for opt_name in EXACT_OPTIMIZERS:
+        ref_params, ref_state, _ = _same_order_reference(opt_name)
+        runs = cluster.run(_frozen_and_unused, opt_name, timeout=120)[0]
+        for name in FROZEN:
+            assert torch.equal(ref_params[name], initial[name])
+            assert name not in ref_state
+        for run_name, run in runs.items():
+            where = (opt_name, run_name)
+            _assert_params_equal(run["params"], ref_params)  # the frozen ones too
+            if "state" not in run:
+                continue  # ShardedOptimizer: its state is per piece, not gathered
+            assert run["state"].keys() == ref_state.keys(), where
+            for name, state in ref_state.items():
+                for key, value in state.items():
+                    assert torch.equal(run["state"][name][key], value), (where, key)
+        # the branch taken on steps 0 and 2 stepped twice, the rest four times
+        if opt_name == "adamw":
+            assert float(runs["stage3"]["state"]["blocks.1.side.bias"]["step"]) == 2
+            assert float(runs["stage3"]["state"]["head.bias"]["step"]) == 4
+        moved = [k for k in ref_params if not torch.equal(ref_params[k], initial[k])]
+        assert len(moved) == len(ref_params) - len(FROZEN)  # the rest did train
+
+
+def _reshard_branchy(path):
+    """The branchy model at stage 3 on 4 ranks, 3 AdamW steps (the side branches
+    stepped twice, the frozen layers never), saved; then loaded on 2 ranks at stage
+    1. The weights and the optimizer state, gathered whole, before and after."""
+    import torch.distributed as dist
+
+    from dtlab.checkpoint import gather_full_optimizer_state, load_sharded, save_sharded
+    from dtlab.zero import FullyShardedDataParallel
+
+    cls, options = EXACT_OPTIMIZERS["adamw"]
+    model = FullyShardedDataParallel(_branchy(), None, dist.group.WORLD, stage=3)
+    opt = cls(model.parameters(), **options)
+    for step in range(3):
+        _branchy_loss(model, step, dist.get_rank(), 4).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    save_sharded(path, model, opt)
+    saved = (model.gather_full_params(), gather_full_optimizer_state(model, opt))
+    g2 = _group(2)
+    if g2 is None:
+        return None
+    model = FullyShardedDataParallel(_branchy(), None, g2, stage=1)
+    opt = cls(model.parameters(), **options)
+    load_sharded(path, model, opt)
+    return saved, (model.gather_full_params(), gather_full_optimizer_state(model, opt))
+
+
+def test_a_checkpoint_keeps_which_parameters_have_optimizer_state(cluster, tmp_path):
+    out = cluster.run(_reshard_branchy, str(tmp_path / "ckpt"), timeout=120)[0]
+    (saved_params, saved_state), (params, state) = out
+    _assert_params_equal(params, saved_params)
+    assert not set(FROZEN) & saved_state.keys()  # never had a gradient: no state
+    assert state.keys() == saved_state.keys()
+    for name, st in saved_state.items():
+        for key, value in st.items():  # re-cut from 4 slices into 2, exactly
+            assert torch.equal(state[name][key], value), (name, key)
+    assert float(state["blocks.0.side.weight"]["step"]) == 2
+    assert float(state["blocks.0.a.weight"]["step"]) == 3
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
+def test_the_module_shows_its_local_shards_and_their_gradients(cluster, compute_dtype):
+    per_rank = cluster.run(_module_gradients, compute_dtype, timeout=120)[:2]
+    _, _, averaged = _same_order_reference("sgd")  # step 0's averaged gradients
+    initial = dict(_branchy().named_parameters())
+    for stage in (0, 1, 2, 3):
+        for rank, runs in enumerate(per_rank):
+            run = runs[stage]
+            assert run["back"], (stage, rank)  # the next forward restores them
+            for name, s in run["shown"].items():
+                where = (stage, rank, name)
+                # fp32 master data and gradients, also under bf16 compute
+                assert s["dtype"] == torch.float32, where
+                assert s["counted"], where  # views of what ZeRO holds: no new bytes
+                if name in FROZEN:
+                    assert s["grad"] is None, where
+                    continue
+                assert s["grad_shape"] == s["shape"], where
+                assert s["grad_dtype"] == torch.float32, where
+                full = averaged[name]
+                if stage == 0:  # the whole parameter, as under DDP
+                    assert s["shape"] == tuple(initial[name].shape), where
+                    assert s["stepped"], where
+                    want = full
+                elif s["piece"] is None:  # this rank's slice misses it
+                    assert s["shape"] == (0,), where
+                    continue
+                else:  # this rank's piece of it, what the optimizer steps
+                    assert s["stepped"], where
+                    start, stop = s["piece"]
+                    want = full.reshape(-1)[start:stop]
+                if compute_dtype is None:
+                    assert torch.equal(s["grad"], want), where
+        if stage == 0:  # replicated: every rank shows the same averaged gradient
+            a, b = (runs[0]["shown"] for runs in per_rank)
+            assert all(
+                torch.equal(a[k]["grad"], b[k]["grad"]) for k in a if k not in FROZEN
+            )
+        else:  # the pieces of each parameter, over both ranks, are all of it
+            for name in initial:
+                if name in FROZEN:
+                    continue
+                pieces = [runs[stage]["shown"][name]["piece"] for runs in per_rank]
+                numel = sum(b - a for a, b in filter(None, pieces))
+                assert numel == initial[name].numel(), (stage, name)
+
+
+# ---- exactness against one process ---------------------------------------------------
+def _one_sgd_step(kind):
+    """One SGD step of dtlab's TinyMLP on 2 ranks (4 rows of an 8-row batch each)
+    through dtlab's DDP (``kind="ddp"``) or ZeRO at stage ``kind``; the weights."""
+    from dtlab.ddp import DistributedDataParallel
+    from dtlab.model import TinyMLP, regression_batch, shard_batch
+    from dtlab.zero import FullyShardedDataParallel
+
+    g = _group(2)
+    if g is None:
+        return None
+    net = TinyMLP()
+    if kind == "ddp":
+        model = DistributedDataParallel(net, process_group=g)
+    else:
+        model = FullyShardedDataParallel(net, None, g, stage=kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = shard_batch(*regression_batch(0, 8), torch.distributed.get_rank(), 2)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    if kind == "ddp":
+        return {k: p.detach().clone() for k, p in net.named_parameters()}
+    return model.gather_full_params()
+
+
+def _one_sgd_step_in_one_process(same_order: bool):
+    from dtlab.model import TinyMLP, regression_batch, shard_batch
+
+    net = TinyMLP()
+    x, y = regression_batch(0, 8)
+    if same_order:  # each rank's 4 rows on their own, halved, added
+        halves = []
+        for r in range(2):
+            net.zero_grad(set_to_none=True)
+            xr, yr = shard_batch(x, y, r, 2)
+            torch.nn.functional.mse_loss(net(xr), yr).backward()
+            halves.append([p.grad / 2 for p in net.parameters()])
+        for p, a, b in zip(net.parameters(), *halves):
+            p.grad = a + b
+    else:  # the whole batch in one backward
+        torch.nn.functional.mse_loss(net(x), y).backward()
+    torch.optim.SGD(net.parameters(), lr=0.1).step()
+    return {k: p.detach().clone() for k, p in net.named_parameters()}
+
+
+def _ulps(a, b) -> int:
+    """How many float32 steps apart two tensors are, at most (same signs)."""
+    return int((a.view(torch.int32) - b.view(torch.int32)).abs().max())
+
+
+def test_fp32_zero_is_bit_exact_where_the_order_of_sums_allows(cluster):
+    # Where a 1-ulp (1.5e-8) difference after one SGD step came from: not from ZeRO.
+    # ZeRO at every stage equals dtlab's DDP bit for bit, and both equal the
+    # one-process reference that adds the ranks' halved gradients. Neither the
+    # flat-buffer views (the matmuls read the weights at any offset and give the same
+    # bits), nor dividing after the sum ((a + b)/2 and a/2 + b/2 are the same float
+    # for N = 2), nor gloo's reduce-scatter (a + b has one order) round anything.
+    # What differs is the whole-batch reference: its backward sums the 8 rows of
+    # x^T·dy in one matmul, which 2 ranks compute as two sums of 4 rows added
+    # afterwards, another order of float additions (the same for DDP and ZeRO).
+    # Measured: at most 2.98e-8 (1 ulp of a weight near 0.48 in fc.weight), and at
+    # most 4 ulps anywhere (proj.bias, whose values near 3e-3 have ulps of 2.3e-10).
+    runs = {
+        k: cluster.run(_one_sgd_step, k, timeout=60)[0] for k in ("ddp", 0, 1, 2, 3)
+    }
+    same_order = _one_sgd_step_in_one_process(same_order=True)
+    whole_batch = _one_sgd_step_in_one_process(same_order=False)
+    for params in runs.values():
+        _assert_params_equal(params, same_order)
+        _assert_params_equal(params, runs["ddp"])
+    ours = runs[3]
+    assert max((ours[k] - whole_batch[k]).abs().max() for k in ours) <= 3e-8
+    assert max(_ulps(ours[k], whole_batch[k]) for k in ours) <= 4

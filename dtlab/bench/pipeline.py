@@ -94,12 +94,17 @@ def _on_rank(p, m_values, steps, cfg_kwargs):
     return out
 
 
-def run(p: int = 4, steps: int = 5, **model) -> dict:
+def run(p: int = 4, steps: int = 5, bubble_p: int | None = 2, **model) -> dict:
     """``dtlab bench pp``: on ``p`` fresh processes, the median step time of dtlab's
     1F1B and of ``torch.distributed.pipelining``'s ``Schedule1F1B`` on the same
     stages and batch, and the measured bubble of dtlab's 1F1B for ``m = p, 2p, 4p``
     next to ``(p-1)/(m+p-1)``. ``model``: :class:`GPTConfig` fields (default a
-    GPT of width 128 and sequence 64, one block per stage)."""
+    GPT of width 128 and sequence 64, one block per stage).
+
+    ``bubble_p``: the bubble once more on that many stages, with a model whose
+    stages outweigh the executor's fixed cost per action (width 256, sequence 128):
+    with one core per stage, where measurement and formula can meet
+    (``report["bubble_small"]``)."""
     from dtlab.estimate import pipeline_bubble_fraction
     from dtlab.launch import spawn
 
@@ -119,4 +124,8 @@ def run(p: int = 4, steps: int = 5, **model) -> dict:
             "measured": measured[len(measured) // 2],
             "formula": pipeline_bubble_fraction(p, mm),
         }
+    if bubble_p and bubble_p != p:
+        wide = {**cfg_kwargs, "d_model": 256, "seq_len": 128}
+        small = run(bubble_p, steps, bubble_p=None, **wide)
+        report["bubble_small"] = {"p": bubble_p, "bubble": small["bubble"]}
     return report

@@ -5,8 +5,9 @@ puts dtlab next to PyTorch. Two kinds of row:
 
 - **against PyTorch's own implementation**, same model, same processes, steps
   interleaved or back to back: DDP vs ``torch.nn.parallel.DistributedDataParallel``
-  (:mod:`dtlab.bench.ddp`), ZeRO-1 vs ``ZeroRedundancyOptimizer`` and ZeRO-3 vs
-  FSDP2 ``fully_shard`` (:mod:`dtlab.bench.zero`), tensor parallelism vs DTensor
+  (:mod:`dtlab.bench.ddp`), ZeRO-1 vs ``ZeroRedundancyOptimizer``, ZeRO-3 vs
+  FSDP2 ``fully_shard`` and HSDP vs FSDP2 on a 2D mesh (4+ ranks;
+  :mod:`dtlab.bench.zero`), tensor parallelism vs DTensor
   (:mod:`dtlab.bench.tensor_parallel`), 1F1B vs ``torch.distributed.pipelining``
   (:mod:`dtlab.bench.pipeline`), and the composition dp2·tp2 with ZeRO-3 vs FSDP2
   over DTensor TP (:mod:`dtlab.bench.composed`). Ratio = dtlab / torch (lower
@@ -42,7 +43,7 @@ def _settings(quick: bool) -> dict:
             "zero": dict(world_sizes=(2,), steps=3, warmup=1),
             "tp": dict(world_size=2, d_model=64, n_heads=4, batch=4, seq_len=32,
                        steps=3, warmup=1),
-            "pp": dict(p=2, steps=3),
+            "pp": dict(p=2, steps=3, bubble_p=None),
             "2d": dict(steps=3, warmup=1, n_layers=2),
             "telemetry": dict(world_size=2, steps=3, overhead_steps=6),
             "cluster": dict(world_size=2, repeats=1, steps=5),
@@ -160,6 +161,7 @@ def assemble(collected: dict) -> list[dict]:
                 ("ZeRO-1 step", "dtlab stage 1", "torch ZeRO-1",
                  "ZeroRedundancyOptimizer"),
                 ("ZeRO-3 step", "dtlab stage 3", "torch FSDP2", "FSDP2 fully_shard"),
+                ("HSDP step", "dtlab HSDP", "torch FSDP2 HSDP", "FSDP2 HSDP (2D mesh)"),
             )  # fmt: skip
             for n in sorted({x["world_size"] for x in r}):
                 for what, ours, theirs, against in pairs:
@@ -191,11 +193,17 @@ def assemble(collected: dict) -> list[dict]:
                     "speed", "PP 1F1B step", p, st["dtlab 1f1b"] * 1e3,
                     st["torch 1f1b"] * 1e3, "ms", "torch pipelining",
                 ))  # fmt: skip
-            for m, b in r["bubble"].items():
-                rows.append(_row(
-                    "bubble", f"1F1B bubble m={m}", p, b["measured"], b["formula"],
-                    "fraction", "(p-1)/(m+p-1)",
-                ))  # fmt: skip
+            runs = [(p, r["bubble"], "")]
+            if "bubble_small" in r:  # a core per stage: where the formula can hold
+                small = r["bubble_small"]
+                runs.append((small["p"], small["bubble"], "a core per stage"))
+            for stages, bubbles, note in runs:
+                for m, b in bubbles.items():
+                    rows.append(_row(
+                        "bubble", f"1F1B bubble p={stages} m={m}", stages,
+                        b["measured"], b["formula"], "fraction", "(p-1)/(m+p-1)",
+                        note,
+                    ))  # fmt: skip
     if "2d" in res:
         r = res["2d"]
         if "error" in r:

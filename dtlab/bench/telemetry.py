@@ -14,7 +14,8 @@ __all__ = ["configs", "run"]
 
 def configs(world_size: int) -> list[tuple[str, object]]:
     """(label, TrainConfig) pairs measured against the estimates: the data-parallel
-    flavours over the whole world, then tensor and pipeline layouts."""
+    flavours over the whole world, then tensor, pipeline, context and expert
+    parallel layouts."""
     from dtlab.model import GPTConfig
     from dtlab.topology import Layout
     from dtlab.train import TrainConfig
@@ -26,7 +27,20 @@ def configs(world_size: int) -> list[tuple[str, object]]:
     out += [
         ("ddp tp=2", base.replace(layout=Layout(dp=half, tp=2))),
         ("ddp pp=2", base.replace(layout=Layout(dp=half, pp=2), microbatches=4)),
+        ("ddp cp=2 ring", base.replace(layout=Layout(dp=half, cp=2))),
+        (
+            "ddp cp=2 ulysses",
+            base.replace(layout=Layout(dp=half, cp=2), cp_variant="ulysses"),
+        ),
     ]
+    if world_size >= 2:  # a mixture of experts over ep = 2 (its routing: uniform?)
+        moe = GPTConfig(
+            vocab_size=128, seq_len=32, n_layers=4, n_heads=4, d_model=64,
+            n_experts=4, top_k=2, capacity_factor=None, aux_loss_coef=0.0,
+        )  # fmt: skip
+        out.append(
+            ("ddp ep=2", base.replace(model=moe, layout=Layout(dp=world_size, ep=2)))
+        )
     return out
 
 
@@ -125,7 +139,7 @@ def run(world_size: int = 2, *, steps: int = 3, overhead_steps: int = 10) -> dic
         mem = measured_memory(events) or {}
         cats = ("params", "grads", "optimizer", "activations")
         report["configs"][label] = {
-            "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
+            "layout": {a: layout.size(a) for a in ("dp", "tp", "pp", "cp", "ep")},
             "strategy": cfg.strategy,
             "bytes_measured": measured_traffic(events, steady),
             "bytes_predicted": predicted_traffic(cfg, layout),

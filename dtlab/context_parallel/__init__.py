@@ -40,6 +40,7 @@ from dtlab.context_parallel.model import (
     ContextParallelAttention,
     ContextParallelGPT,
     all_reduce_gradients,
+    apply_context_parallel,
     context_parallel_gpt,
 )
 from dtlab.context_parallel.ring import (
@@ -87,6 +88,7 @@ __all__ = [
     "ulysses_attention",
     # model
     "ContextParallelAttention",
+    "apply_context_parallel",
     "ContextParallelGPT",
     "context_parallel_gpt",
     "all_reduce_gradients",

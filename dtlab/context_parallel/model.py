@@ -35,6 +35,7 @@ from dtlab.context_parallel.ulysses import ulysses_attention
 from dtlab.model import GPT, CausalSelfAttention
 
 __all__ = [
+    "apply_context_parallel",
     "ContextParallelAttention",
     "ContextParallelGPT",
     "context_parallel_gpt",
@@ -94,6 +95,34 @@ def all_reduce_gradients(module: nn.Module, group, *, tag: str = "cp/grads") -> 
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def apply_context_parallel(model: GPT, group, variant: str = "ring") -> GPT:
+    """Split ``model``'s sequences over the cp group ``group``, in place (names and
+    weights unchanged, what a composed layout needs): every block's attention
+    becomes a :class:`ContextParallelAttention`, and ``model.positions`` the global
+    positions of this rank's ``T/cp`` tokens. The model then takes this rank's
+    tokens (:func:`~dtlab.context_parallel.shard_sequence`) and returns the mean
+    loss over them; the gradients are averaged over cp (with dp, over dp·cp)."""
+    variant = one_of("context-parallel variant", variant, VARIANTS)
+    cp, index = cp_size(group), cp_index(group)
+    if variant == "ulysses" and model.config.n_heads % cp:
+        raise ValueError(
+            f"Ulysses splits the heads over cp={cp}: n_heads={model.config.n_heads} "
+            "is not a multiple of it; use variant='ring' or another cp"
+        )
+    for i, block in enumerate(model.blocks):
+        if not isinstance(block.attn, ContextParallelAttention):
+            block.attn = ContextParallelAttention(
+                block.attn, group, variant, name=f"blocks.{i}.attn"
+            )
+    balanced = variant == "ring"
+
+    def positions(T: int, device=None) -> torch.Tensor:  # T: this rank's tokens
+        return local_positions(T * cp, cp, index, balanced).to(device)
+
+    model.positions = positions
+    return model
 
 
 class ContextParallelGPT(nn.Module):

@@ -27,6 +27,7 @@ import torch
 
 from dtlab import comm
 from dtlab.checks import one_of
+from dtlab.events import CP_VARIANTS
 
 __all__ = [
     "VARIANTS",
@@ -37,7 +38,7 @@ __all__ = [
     "shard_sequence",
 ]
 
-VARIANTS = ("ring", "ulysses")
+VARIANTS = CP_VARIANTS  # dtlab.events: ring, ulysses
 """How attention sees the whole sequence: K/V blocks passed round a ring (Liu et al.
 2023), or an all-to-all from sequence shards to head shards (DeepSpeed-Ulysses)."""
 

@@ -61,6 +61,9 @@ class DistributedDataParallel(nn.Module):
       the buckets still in flight; ``.grad`` then holds the average.
     - ``no_sync()``: forward passes inside it skip the all-reduce, so their
       gradients accumulate locally; the first backward outside it averages the sum.
+    - ``ignored_parameters`` are left out of the buckets and of the initial
+      broadcast (another group keeps them equal: a mixture of experts' experts),
+      as PyTorch's ``_set_params_and_buffers_to_ignore_for_model`` does.
     - Frozen parameters (``requires_grad=False``) are left out of the buckets; a
       parameter used twice (a tied embedding and head) is one parameter, in one bucket,
       its gradient summed by autograd before the hook fires.
@@ -84,6 +87,7 @@ class DistributedDataParallel(nn.Module):
         *,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        ignored_parameters=(),
     ):
         super().__init__()
         if isinstance(bucket_cap_mb, bool) or not isinstance(
@@ -103,10 +107,17 @@ class DistributedDataParallel(nn.Module):
         live = dist.is_available() and dist.is_initialized()
         # a DDP over one rank (or without torch.distributed) is the module itself
         self.world_size = comm.group_size(process_group) if live else 1
+        self._ignored = {id(p) for p in ignored_parameters}
         self._sync_module_states()
 
         names = {id(p): n for n, p in module.named_parameters()}  # tied: once
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        # what DDP leaves alone: frozen parameters, and those another group reduces
+        # (a mixture of experts' experts, reduced over the ranks holding the same)
+        self._params = [
+            p
+            for p in module.parameters()
+            if p.requires_grad and id(p) not in self._ignored
+        ]
         self._names = {id(p): names[id(p)] for p in self._params}
         self.buckets = make_buckets(self._params, self._names, self.bucket_cap_mb)
         self._where = {
@@ -139,7 +150,11 @@ class DistributedDataParallel(nn.Module):
     # ---- set-up -----------------------------------------------------------------
     def _sync_module_states(self) -> None:
         if self.world_size > 1:
-            states = [p.detach() for p in self.module.parameters()]
+            states = [
+                p.detach()
+                for p in self.module.parameters()
+                if id(p) not in self._ignored
+            ]
             states += list(self.module.buffers())
             broadcast_flat(states, self.process_group, tag="ddp-init")
 
@@ -241,6 +256,8 @@ class DistributedDataParallel(nn.Module):
         self._mark_ready(id(param))
 
     def _mark_ready(self, pid: int) -> None:
+        if self._pending:
+            self._stamp_completed()
         self._ready_ids.add(pid)
         self._ready[self._where[pid]] += 1
         # launch in index order, so that every rank issues the same collectives in
@@ -262,19 +279,22 @@ class DistributedDataParallel(nn.Module):
             # divide before summing, as PyTorch's reducer does (keeps fp16 sums in
             # range); exact when N is a power of two
             bucket.buffer.mul_(1.0 / self.world_size)
-        done = [None]  # completion time, stamped on the communication thread
-        entry = {"bucket": bucket, "t_launch": telemetry.clock(), "done": done}
-        handle = comm.all_reduce(
+        entry = {"bucket": bucket, "t_launch": telemetry.clock(), "done": [None]}
+        entry["handle"] = comm.all_reduce(
             bucket.buffer, group=self.process_group, async_op=True, tag="ddp"
         )
-        entry["handle"] = handle
-        # The callback must not reach the handle: a future that (through its
-        # callback) references its own Work is a cycle through C++ that Python's
-        # collector cannot see, and a leaked Work keeps gloo's sockets open.
-        handle.get_future().add_done_callback(
-            lambda _f, d=done: d.__setitem__(0, telemetry.clock())
-        )
         self._pending.append(entry)
+
+    def _stamp_completed(self) -> None:
+        """Note when the buckets in flight completed, as seen from here. (Polled
+        at every gradient hook rather than stamped by a callback on the
+        communication thread: a Python callback there waits for the GIL, which
+        backward holds, and gloo runs the next bucket only after it.)"""
+        now = None
+        for entry in self._pending:
+            if entry["done"][0] is None and entry["handle"].is_completed():
+                now = now or telemetry.clock()
+                entry["done"][0] = now
 
     # ---- backward: the end ----------------------------------------------------------
     def _on_backward_end(self) -> None:

@@ -139,6 +139,8 @@ from dtlab.estimate.training_time import (
     training_flops,
 )
 from dtlab.estimate.zero import (
+    hsdp_comm_per_step,
+    hsdp_states_per_rank,
     zero_comm_per_step,
     zero_states_per_rank,
 )
@@ -181,6 +183,8 @@ __all__ = [
     "tp_params_per_rank",
     "zero_states_per_rank",
     "zero_comm_per_step",
+    "hsdp_states_per_rank",
+    "hsdp_comm_per_step",
     "PRECISIONS",
     "OPTIMIZERS",
     "RECOMPUTE",

@@ -86,9 +86,17 @@ def dtlab_saved_bytes_per_layer(
     recompute: str = "none",
     bytes_per_value: int = 4,
     dropout: bool = False,
+    cp: int = 1,
+    cp_variant: str = "ring",
 ) -> float:
     """The bytes one block of :class:`dtlab.model.GPT` saves for backward, exactly
     (the saved-tensor hooks of chapter 08 measure this number).
+
+    Context parallelism over ``cp`` ranks (chapter 11) divides everything by cp,
+    but the attention core: ring attention keeps no score matrix at all, only its
+    output and log-sum-exp (``(v·sbh + v·a·s·b)/cp``, recomputing the blocks in
+    backward); Ulysses runs the plain core on ``a/cp`` heads of the whole sequence
+    (scores ``/cp``) and builds the whole ``s²`` causal mask.
 
     The paper's terms in values of ``bytes_per_value`` bytes (v), with
     ``f = d_ff / d_model`` (4 in GPT-2), tp = t:
@@ -122,6 +130,18 @@ def dtlab_saved_bytes_per_layer(
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     recompute = one_of("recompute mode", recompute, RECOMPUTE)
+    if cp > 1:
+        if tp > 1 or recompute != "none" or dropout:
+            raise ValueError(
+                "dtlab composes cp with tp=1, no recomputation, no dropout"
+            )
+        s, b, h, a, v = seq_len, micro_batch, d_model, n_heads, bytes_per_value
+        f = (d_ff or 4 * d_model) / d_model
+        sbh, sb = s * b * h, s * b
+        linear = v * sbh * (4 + 4 + 2 * f) + v * 2 * 2 * sb
+        if one_of("cp variant", cp_variant, ("ring", "ulysses")) == "ring":
+            return (linear + v * sbh + v * a * s * b) / cp
+        return (linear + v * a * s * s * b) / cp + s * s
     s, b, h, a, t, v = seq_len, micro_batch, d_model, n_heads, tp, bytes_per_value
     f = (d_ff or 4 * d_model) / d_model
     sbh, sb = s * b * h, s * b

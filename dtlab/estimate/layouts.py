@@ -21,7 +21,9 @@ from dtlab.estimate.activations import (
     dtlab_saved_bytes_per_layer,
 )
 from dtlab.estimate.collectives import wire_bytes
+from dtlab.estimate.context_parallel import cp_bytes_per_layer
 from dtlab.estimate.models import layer_params, model_spec
+from dtlab.estimate.moe import ep_bytes_per_layer
 from dtlab.estimate.pipeline import pipeline_in_flight
 from dtlab.estimate.states import zero_memory_per_device
 from dtlab.estimate.tensor_parallel import tp_bytes_per_layer
@@ -138,7 +140,7 @@ def value_bytes(precision: str) -> int:
 def _stage_memory(
     spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
     schedule, chunks, checkpointing, sequence_parallel, optimizer, offload, states,
-    seq_len, activations, dropout,
+    seq_len, activations, dropout, cp_variant,
 ) -> dict[str, float]:  # fmt: skip
     sp = stage_params(spec, par, stage)
     group = par.dp * par.cp  # replicas of every weight (ZeRO shards over them)
@@ -170,8 +172,9 @@ def _stage_memory(
     if activations == "dtlab":
         per_layer = dtlab_saved_bytes_per_layer(
             s, b, spec.d_model, spec.n_heads, d_ff=spec.d_ff, recompute=checkpointing,
-            bytes_per_value=bpv, dropout=dropout, **layer_kw,
-        ) / par.cp  # fmt: skip
+            bytes_per_value=bpv, dropout=dropout, cp=par.cp, cp_variant=cp_variant,
+            **layer_kw,
+        )  # fmt: skip
     else:
         per_layer = activation_bytes_per_layer(
             s, b, spec.d_model, spec.n_heads, recompute=checkpointing,
@@ -200,15 +203,16 @@ def _stage_memory(
             tp=par.tp,
             sequence_parallel=sequence_parallel,
             bytes_per_value=bpv,
-            logits_bytes=bpv,
+            logits_bytes=4,  # the loss is computed in fp32 (dtlab.model.GPT.output)
         )
+        local = s // par.cp  # this rank's tokens of each sequence
         if first:
             acts += first_in_flight * dtlab_saved_bytes_outside_layers(
-                s, b, spec.d_model, spec.vocab_size, first=True, last=False, **kw
+                local, b, spec.d_model, spec.vocab_size, first=True, last=False, **kw
             )
         if last:
             acts += last_in_flight * dtlab_saved_bytes_outside_layers(
-                s, b, spec.d_model, spec.vocab_size, first=False, last=True, **kw
+                local, b, spec.d_model, spec.vocab_size, first=False, last=True, **kw
             )
     else:
         if checkpointing == "full" and sp["layers"]:
@@ -247,6 +251,7 @@ def layout_memory(
     states: str = "dtlab",
     seq_len: int | None = None,
     activations: str = "paper",
+    cp_variant: str = "ring",
 ) -> dict[str, float]:
     """Bytes one device holds under ``layout``, by category:
     ``{"params", "grads", "optimizer", "activations", "total"}`` (and ``"host"``
@@ -303,6 +308,7 @@ def layout_memory(
         sequence_parallel=sequence_parallel, optimizer=optimizer, offload=offload,
         states=states, seq_len=seq_len, activations=activations,
         dropout=getattr(model, "dropout", 0.0) > 0,  # a dtlab GPTConfig's
+        cp_variant=cp_variant,
     )  # fmt: skip
     if stage is not None:
         return _stage_memory(spec, par, stage, **kw)
@@ -314,7 +320,7 @@ def layout_memory(
 
 def _stage_traffic(
     spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
-    sequence_parallel, chunks, seq_len,
+    sequence_parallel, chunks, seq_len, cp_variant,
 ) -> dict[str, float]:  # fmt: skip
     bpv = value_bytes(precision)
     k, b = microbatches, micro_batch_size
@@ -325,26 +331,30 @@ def _stage_traffic(
     out = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
     # dp (and cp: the same weights): gradients, and ZeRO's gathers
     dense = sharded_dense_count(spec, par, sp, zero_stage)
-    parts = [(dense, group)]
-    if sp["experts"]:
-        parts.append((sp["layers"] * sp["experts"], group // par.ep))
+    parts = [(dense, group, "dp")]
+    if sp["experts"]:  # the experts: over the ranks that hold the same ones (edp)
+        parts.append((sp["layers"] * sp["experts"], group // par.ep, "edp"))
     # ZeRO 2-3 reduce-scatter after every backward (micro-batch, or pipeline
     # micro-batch); DDP and ZeRO 0-1 accumulate full gradients, sync once per step
     per_mb = k if zero_stage >= 2 else 1
-    for psi, n in parts:
+    for psi, n, axis in parts:
         if n == 1:
             continue
         one = zero_comm_per_step(psi, n, zero_stage, bpv)
-        out["dp"] += per_mb * (
-            wire_bytes("all_reduce", one["all_reduce"], n)
-            + wire_bytes("reduce_scatter", one["reduce_scatter"], n)
-        ) + (per_mb if zero_stage == 3 else 1) * wire_bytes(
-            "all_gather", one["all_gather"], n
+        out[axis] = (
+            out.get(axis, 0.0)
+            + per_mb
+            * (
+                wire_bytes("all_reduce", one["all_reduce"], n)
+                + wire_bytes("reduce_scatter", one["reduce_scatter"], n)
+            )
+            + (per_mb if zero_stage == 3 else 1)
+            * wire_bytes("all_gather", one["all_gather"], n)
         )
     tokens = b * s // par.cp  # this rank's tokens of one micro-batch
     first, last = stage == 0, stage == par.pp - 1
     # tp: Megatron's 2 + 2 collectives per block, the vocabulary-parallel
-    # embedding (g) and head (f), and the loss's three small all-reduces
+    # embedding (g) and head (f), and the loss's three small fp32 all-reduces
     if par.tp > 1:
         t = par.tp
         S = tokens * h * bpv
@@ -357,7 +367,8 @@ def _stage_traffic(
             mb += wire_bytes("all_reduce", S, t)
         if last:
             mb += wire_bytes("all_reduce", S, t)  # head: f (SP: gather + scatter)
-            mb += 3 * wire_bytes("all_reduce", tokens * bpv, t)  # max, sum, z_t
+            # the loss's max, sum and target logit: fp32, whatever the precision
+            mb += 3 * wire_bytes("all_reduce", tokens * 4, t)
         out["tp"] = k * mb
         if sequence_parallel:
             # the replicated weights of the sequence-split regions (norms,
@@ -384,15 +395,21 @@ def _stage_traffic(
                 payload = _padded_count(rows, group) / group * master
             out["pp"] += wire_bytes("all_reduce", payload, 2)
     if par.cp > 1:
-        # ring attention: K and V blocks go round the ring (cp-1 hops) forward;
-        # backward sends them again with their gradients: 3x the forward
-        kv = h * (spec.n_kv_heads or spec.n_heads) // spec.n_heads
-        S_kv = 2 * b * s * kv * bpv / par.tp
-        out["cp"] = k * sp["layers"] * 3 * wire_bytes("all_gather", S_kv, par.cp)
+        # ring: K and V blocks go round the ring (cp-1 hops) forward, and again
+        # with their gradients backward; Ulysses: two all-to-alls each way
+        per_layer = cp_bytes_per_layer(
+            b, s, h // par.tp, par.cp, variant=cp_variant,
+            n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, bytes_per_value=bpv,
+        )["wire_bytes"]  # fmt: skip
+        out["cp"] = k * sp["layers"] * per_layer
     if par.ep > 1 and spec.n_experts > 1:
-        # dispatch and combine forward, their transposes backward: 4 all-to-alls
-        S = tokens * spec.top_k * h * bpv
-        out["ep"] = k * sp["layers"] * 4 * wire_bytes("all_to_all", S, par.ep)
+        # dispatch and combine forward, their transposes backward (4 all-to-alls
+        # of the kept rows, uniform routing), and the all-gather of row counts
+        per_layer = ep_bytes_per_layer(
+            tokens, h, par.ep, n_experts=spec.n_experts, top_k=spec.top_k,
+            bytes_per_value=bpv,
+        )["wire_bytes"]  # fmt: skip
+        out["ep"] = k * sp["layers"] * per_layer
     return out
 
 
@@ -409,12 +426,15 @@ def layout_traffic(
     chunks: int = 1,
     stage: int | None = None,
     seq_len: int | None = None,
+    cp_variant: str = "ring",
 ) -> dict[str, float]:
     """Wire bytes one rank sends per optimizer step, by axis: ``{"dp", "tp", "pp"}``
     (plus ``"cp"`` and ``"ep"`` when those axes are used), for pipeline stage
     ``stage`` or, by default, the busiest rank on each axis.
 
     - dp: :func:`zero_comm_per_step` on the stage's Ψ over the ``dp·cp`` replicas
+      (a mixture of experts' experts: over the ``dp·cp/ep`` ranks holding the same
+      ones, key ``"edp"``)
       (2Ψ, ZeRO-3 3Ψ, times the ring's (N-1)/N). ZeRO-2 and -3 do not keep the
       full gradient, so with several micro-batches (gradient accumulation, or a
       pipeline's) they pay their reduce-scatter (and ZeRO-3 its gathers) per
@@ -427,8 +447,11 @@ def layout_traffic(
       every stage boundary the rank owns (``chunks`` per rank when interleaved),
       plus the tied-embedding all-reduce between the first and the last stage
       (under ZeRO, of the reduced fp32 slices).
-    - cp: ring attention's K/V: ``3·(cp-1)/cp · 2·b·s·h_kv·bytes`` per layer.
-    - ep: 4 all-to-alls of ``b·s·top_k·h·bytes`` per MoE layer.
+    - cp (:func:`cp_bytes_per_layer`): ring attention's K/V, ``3·(cp-1)/cp ·
+      2·b·s·h_kv·bytes`` per layer (``cp_variant="ring"``), or Ulysses' four
+      all-to-alls of q, k, v and the output.
+    - ep (:func:`ep_bytes_per_layer`): 4 all-to-alls of ``b·s/cp·top_k·h·bytes``
+      per MoE layer under uniform routing, and the all-gather of the row counts.
 
     Gradients and 16-bit activations travel in the compute dtype (2 bytes under
     "bf16"/"fp16", 4 under "fp32").
@@ -449,6 +472,7 @@ def layout_traffic(
         zero_stage=zero_stage, precision=precision,
         micro_batch_size=micro_batch_size, microbatches=microbatches,
         sequence_parallel=sequence_parallel, chunks=chunks, seq_len=seq_len,
+        cp_variant=cp_variant,
     )  # fmt: skip
     if stage is not None:
         return _stage_traffic(spec, par, stage, **kw)

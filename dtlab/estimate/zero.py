@@ -1,13 +1,15 @@
 """ZeRO: what ``dtlab.zero`` holds and sends per rank.
 
 The model-state bytes one rank holds (on the device and, with offload, on the
-host) and the communication of one ZeRO-DP step.
+host) and the communication of one ZeRO-DP step; the same for HSDP, ZeRO within a
+shard group and replicas across groups.
 
-Taught in chapter 03 (ZeRO); chapter 09's layouts build on it.
+Taught in chapter 03 (ZeRO) and chapter 11 (HSDP); chapter 09's layouts build on it.
 """
 
 from __future__ import annotations
 
+from dtlab.checks import positive_int
 from dtlab.estimate.collectives import wire_bytes
 from dtlab.estimate.states import bytes_per_param, zero_memory_per_device
 from dtlab.events import state_precision
@@ -97,4 +99,65 @@ def zero_comm_per_step(
         "payload": sum(ops.values()),
         "wire": wire,
         "psi_multiple": 3 if stage == 3 else 2,
+    }
+
+
+# ---- HSDP: ZeRO within a shard group, replicas across groups (chapter 11) ------------
+def hsdp_states_per_rank(
+    n_params: float,
+    shard_size: int,
+    replicate_size: int,
+    stage: int,
+    precision: str = "mixed",
+    optimizer: str = "adam",
+    *,
+    offload: bool = False,
+) -> dict[str, float]:
+    """Model-state bytes one rank of HSDP holds (:mod:`dtlab.zero.hsdp`): the state
+    is sharded over the S ranks of a shard group only, so the divisor is S, not the
+    data-parallel degree R·S; the R replicas each hold a whole sharded copy. That is
+    :func:`zero_states_per_rank` with ``world_size = shard_size`` (same keys);
+    ``replicate_size`` is checked and changes nothing: memory does not shrink as
+    replicas are added, only the batch grows."""
+    positive_int("shard_size", shard_size)
+    positive_int("replicate_size", replicate_size)
+    return zero_states_per_rank(
+        n_params, shard_size, stage, precision, optimizer, offload=offload
+    )
+
+
+def hsdp_comm_per_step(
+    n_params: float,
+    shard_size: int,
+    replicate_size: int,
+    stage: int,
+    bytes_per_value: float = 2,
+) -> dict[str, dict[str, float]]:
+    """Communication of one HSDP step per rank, per axis (payload S = Ψ ·
+    ``bytes_per_value``).
+
+    - ``shard``: ZeRO over the shard group of size S, :func:`zero_comm_per_step`
+      with ``world_size = shard_size``: reduce-scatter S (stage 0: all-reduce) and
+      the all-gathers, each ``(S−1)/S`` of its payload on the wire;
+    - ``replicate``: one all-reduce of each reduced gradient slice over the R
+      replicas, payload ``S/shard_size`` (stage 0 keeps no slice: all of S), wire
+      ``2(R−1)/R`` of it.
+
+    Across nodes (the replicate axis, when each shard group is one node) a rank
+    sends ``2(R−1)/R · Ψ/S`` instead of full sharding's ``3(N−1)/N · Ψ``: the reason
+    for HSDP. Returns ``{"shard": {...}, "replicate": {...}, "wire": total}``; each
+    axis has its ops' payloads, ``payload`` and ``wire``."""
+    positive_int("shard_size", shard_size)
+    positive_int("replicate_size", replicate_size)
+    shard = zero_comm_per_step(n_params, shard_size, stage, bytes_per_value)
+    kept = n_params * bytes_per_value / (shard_size if stage >= 1 else 1)
+    replicate = {
+        "all_reduce": float(kept),
+        "payload": float(kept),
+        "wire": wire_bytes("all_reduce", kept, replicate_size),
+    }
+    return {
+        "shard": shard,
+        "replicate": replicate,
+        "wire": shard["wire"] + replicate["wire"],
     }

@@ -266,7 +266,10 @@ def _settle(cluster, by_rank, seconds: float = 10.0) -> list[int]:
                 break
             if any(not processes.alive(pid) for pid in cluster.local_pids().values()):
                 break
-            next(ar for ar in by_rank.values() if not ar.ready()).wait(0.05)
+            waiting = next((ar for ar in by_rank.values() if not ar.ready()), None)
+            if waiting is None:  # the last one finished since the check above
+                break
+            waiting.wait(0.05)
     except KeyboardInterrupt:  # pressed Stop again: stop waiting
         pass
     return [r for r, ar in by_rank.items() if not ar.ready()]

@@ -10,7 +10,13 @@ Taught in chapter 07 (3D parallelism).
 
 The panel offers, for the chosen world size, only the dp × tp × pp factorisations
 that fit the model (:meth:`dtlab.topology.Layout.validate`: heads divisible by tp,
-layers by pp) and lists the others with the reason they do not fit. Every other
+layers by pp) and lists the others with the reason they do not fit. With
+``beyond_3d=True`` (chapter 11) it offers the 4D and 5D layouts too, every cp and ep
+of the world (:func:`dtlab.topology.factorisations`), each checked as a whole
+config (:meth:`dtlab.train.TrainConfig.check`: what cp and ep compose with, the
+sequence and heads a cp variant needs, experts divisible by ep), and a cp-variant
+choice (ring attention or Ulysses); its default model is then a mixture of four
+experts. Every other
 choice (ZeRO stage, pipeline schedule, microbatches, precision, activation
 checkpointing) is checked as a whole with :meth:`dtlab.train.TrainConfig.check`
 before anything runs: Run stays disabled, and the message says what to change.
@@ -38,38 +44,39 @@ from ipywidgets import (
     Widget,
 )
 
-from dtlab.checks import divisors, positive_int
-from dtlab.events import CHECKPOINTING, PRECISIONS, SCHEDULES, STRATEGIES
+from dtlab.events import CHECKPOINTING, CP_VARIANTS, PRECISIONS, SCHEDULES, STRATEGIES
 from dtlab.lab import training
 from dtlab.lab.figures.dashboard import Dashboard
 from dtlab.model import GPTConfig
-from dtlab.topology import Layout
+from dtlab.topology import Layout, factorisations
 from dtlab.train import TrainConfig
 
+__all__ = ["ControlPanel", "layout_choices", "factorisations", "DEFAULT_MODEL"]
+
 DEFAULT_MODEL = GPTConfig(vocab_size=64, seq_len=32, n_layers=4, n_heads=4, d_model=64)
-
-
-def factorisations(world_size: int) -> list[Layout]:
-    """Every ``Layout(dp, tp, pp)`` whose product is ``world_size``, ordered by tp,
-    then pp (the order the picker lists them)."""
-    positive_int("world_size", world_size)
-    return [
-        Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
-        for tp in divisors(world_size)
-        for pp in divisors(world_size // tp)
-    ]
+MOE_MODEL = GPTConfig(n_layers=2, n_heads=4, d_model=64, n_experts=4, top_k=2)
+"""The beyond-3D panel's default: four experts, so ep can be 2 or 4."""
 
 
 def layout_choices(
-    world_size: int, model: GPTConfig
+    world_size: int,
+    model: GPTConfig,
+    *,
+    beyond_3d: bool = False,
+    config: TrainConfig | None = None,
 ) -> tuple[list[Layout], dict[Layout, str]]:
     """``(valid, invalid)`` layouts of ``world_size`` ranks for ``model``: the
     factorisations :meth:`Layout.validate` accepts, and for each other one the
-    message it raises (what does not divide what)."""
+    message it raises (what does not divide what). ``beyond_3d``: every cp and ep
+    too; ``config`` (with ``model``): also checked as a whole with
+    :meth:`TrainConfig.check`, whose message then says why a layout does not fit
+    (what cp and ep compose with)."""
     valid, invalid = [], {}
-    for layout in factorisations(world_size):
+    for layout in factorisations(world_size, beyond_3d=beyond_3d):
         try:
             layout.validate(world_size, n_layers=model.n_layers, n_heads=model.n_heads)
+            if config is not None:
+                config.replace(model=model, layout=layout).check(world_size)
         except ValueError as exc:
             invalid[layout] = str(exc)
         else:
@@ -86,7 +93,9 @@ class ControlPanel:
     cluster of another size). ``base``: the config every other field comes from
     (model, batch, learning rate, ...). ``pace``: seconds between steps, so that a
     tiny model trains slowly enough to watch. ``stop_timeout``: how long Stop waits
-    for the ranks to reach a step boundary before interrupting them.
+    for the ranks to reach a step boundary before interrupting them. ``beyond_3d``:
+    offer the cp and ep layouts and the cp variant (chapter 11; the default model is
+    then :data:`MOE_MODEL`).
     """
 
     def __init__(
@@ -99,9 +108,12 @@ class ControlPanel:
         pace: float = 0.0,
         timeout: float = 600.0,
         stop_timeout: float = 20.0,
+        beyond_3d: bool = False,
     ):
         self.cluster = cluster
-        self.base = base or TrainConfig(model=DEFAULT_MODEL, steps=20)
+        self.beyond_3d = beyond_3d
+        model = MOE_MODEL if beyond_3d else DEFAULT_MODEL
+        self.base = base or TrainConfig(model=model, steps=20)
         self.pace = pace
         self.timeout = timeout
         self.stop_timeout = stop_timeout
@@ -159,6 +171,16 @@ class ControlPanel:
             description="checkpointing",
             style=style,
         )
+        self.cp_variant = ToggleButtons(
+            options=list(CP_VARIANTS),
+            value=self.base.cp_variant,
+            description="cp variant",
+            style={**style, "button_width": "70px"},
+            tooltips=[
+                "ring attention: K/V blocks go round the cp ring (isend/irecv)",
+                "Ulysses: all-to-all from sequence- to head-sharded and back",
+            ],
+        )
         self.steps = BoundedIntText(
             value=self.base.steps, min=1, max=10_000, description="steps", style=style
         )
@@ -185,7 +207,12 @@ class ControlPanel:
             self.checkpointing,
             self.steps,
         )
-        for choice in choices:
+        if beyond_3d:
+            # the layouts' fit is checked with the whole config: a new choice can
+            # change which layouts fit (ZeRO with ep, a cp variant's seq_len)
+            for choice in (self.strategy, self.cp_variant, self.checkpointing):
+                choice.observe(self._guard(self._refresh_layouts), names="value")
+        for choice in (*choices, self.cp_variant):
             choice.observe(self._guard(self.refresh), names="value")
         self.run_button.on_click(self._guard(self.run))
         self.stop_button.on_click(self._guard(self.stop))
@@ -214,17 +241,23 @@ class ControlPanel:
     # ---- the choices ---------------------------------------------------------------
     def _refresh_layouts(self, _change=None) -> None:
         n = self.world.value
-        valid, invalid = layout_choices(n, self.base.model)
+        valid, invalid = layout_choices(
+            n,
+            self.base.model,
+            beyond_3d=self.beyond_3d,
+            config=self._choices(self.base) if self.beyond_3d else None,
+        )
         old = self.layout.value
         self.layout.options = [(str(lay), lay) for lay in valid]
         self.layout.value = old if old in valid else (valid[0] if valid else None)
         if invalid:
+            what = " and these choices" if self.beyond_3d else ""
             items = "".join(
                 f"<li><code>{lay}</code>: {msg}</li>" for lay, msg in invalid.items()
             )
             self.invalid.value = (
                 f"<details><summary>{len(invalid)} layout(s) of {n} ranks do not fit "
-                f"this model</summary><ul>{items}</ul></details>"
+                f"this model{what}</summary><ul>{items}</ul></details>"
             )
         else:
             self.invalid.value = ""
@@ -244,18 +277,23 @@ class ControlPanel:
                 "another world size"
             )
         layout = self.layout.value
-        changes = dict(
-            layout=layout, strategy=self.strategy.value, steps=self.steps.value
-        )
         pipelined = layout.pp > 1
-        changes.update(
+        return self._choices(self.base).replace(
+            layout=layout,
             schedule=self.schedule.value,
             microbatches=self.microbatches.value if pipelined else None,
             chunks=self.chunks.value if pipelined else 1,
+        )
+
+    def _choices(self, config: TrainConfig) -> TrainConfig:
+        """``config`` with the choices that do not depend on the layout."""
+        return config.replace(
+            strategy=self.strategy.value,
+            steps=self.steps.value,
             precision=self.precision.value,
             activation_checkpointing=self.checkpointing.value,
+            cp_variant=self.cp_variant.value,
         )
-        return self.base.replace(**changes)
 
     def check(self) -> TrainConfig:
         """:meth:`config`, checked against the world size with
@@ -271,6 +309,8 @@ class ControlPanel:
         pp = self.layout.value.pp if self.layout.value is not None else 1
         for w in (self.schedule, self.microbatches, self.chunks):
             w.disabled = pp == 1  # pipeline settings only
+        cp = self.layout.value.cp if self.layout.value is not None else 1
+        self.cp_variant.disabled = cp == 1
         self.progress.max = self.steps.value
         try:
             self.check()
@@ -386,6 +426,7 @@ class ControlPanel:
                 [
                     choices,
                     self.strategy,
+                    *([self.cp_variant] if self.beyond_3d else []),
                     self.invalid,
                     self.check_message,
                     HBox([self.run_button, self.stop_button, self.progress]),

@@ -82,9 +82,11 @@ class StageModule(nn.Module):
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy, exactly as ``GPT.output`` computes it."""
+        """Mean next-token cross-entropy, exactly as ``GPT.output`` computes it
+        (in fp32 whatever the logits' dtype: see :mod:`dtlab.amp`)."""
         V = logits.shape[-1]
-        return F.cross_entropy(logits.view(-1, V), targets.reshape(-1))  # (B·T, V)
+        z = logits.view(-1, V).float()  # (B·T, V)
+        return F.cross_entropy(z, targets.reshape(-1))
 
     def global_named_parameters(self):
         """``(name in GPT, parameter)``: a tied head copy is reported as

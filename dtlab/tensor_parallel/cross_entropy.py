@@ -75,6 +75,9 @@ def vocab_parallel_cross_entropy(
             f"targets {tuple(targets.shape)} do not match logits "
             f"{tuple(local_logits.shape)} without their last (vocab) dim"
         )
+    # in fp32 whatever the logits' dtype (Megatron upcasts them too, unless
+    # --fp16-lm-cross-entropy): a 16-bit loss times fp16's scale overflows
+    local_logits = local_logits.float()
     if axis.size == 1:  # nothing is split: the plain loss, bit for bit
         z = local_logits[..., :vocab_size] if vocab_size else local_logits
         return F.cross_entropy(z.reshape(-1, z.shape[-1]), targets.reshape(-1))

@@ -41,7 +41,14 @@ MEMORY_COLORS = dict(
     )
 )
 AXES = ("dp", "tp", "pp", "world")  # the groups of a 3D layout, then the whole world
-AXIS_COLORS = dict(zip(AXES, "#4c78a8 #f58518 #54a24b #9d755d".split(), strict=True))
+BEYOND_3D_AXES = ("cp", "ep", "dp_cp", "edp")  # chapter 11's groups
+AXIS_COLORS = dict(
+    zip(
+        (*AXES, *BEYOND_3D_AXES),
+        "#4c78a8 #f58518 #54a24b #9d755d #e45756 #72b7b2 #b279a2 #ff9da6".split(),
+        strict=True,
+    )
+)
 RANK_COLORS = tuple(
     "#4c78a8 #f58518 #54a24b #e45756 #72b7b2 #b279a2 #ff9da6 #9d755d".split()
 )

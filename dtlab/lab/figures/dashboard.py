@@ -6,8 +6,8 @@ panel of :mod:`dtlab.lab.widgets` feeds it.
     display(board.widget)
     run = start_run(cluster, config, on_events=board)   # dtlab.lab.training
 
-Five views, each a :class:`~dtlab.lab.figures.live.LiveFigure` redrawn in place
-while the ranks train:
+Five views (six for a mixture of experts), each a
+:class:`~dtlab.lab.figures.live.LiveFigure` redrawn in place while the ranks train:
 
 - **loss** against step, one line per rank (every rank reports the global-batch loss,
   so the lines lie on each other when the ranks agree:
@@ -19,10 +19,14 @@ while the ranks train:
 - **traffic per step** by group and op (``dp · all_reduce``, ``pp · send``, ...)
   next to :func:`dtlab.estimate.layout_traffic`'s total, and
 - **rank × rank traffic**: who sent how many bytes to whom over the whole run
-  (both from :mod:`dtlab.lab.figures.traffic`).
+  (both from :mod:`dtlab.lab.figures.traffic`): the rings of dp and tp, the
+  pipeline's hand-offs, ring attention's cp ring and the all-to-all blocks of
+  Ulysses and expert parallelism (chapter 11), and
+- for a mixture of experts, **tokens per expert** on each rank in the newest step,
+  with the assignments the capacity dropped (from the ``moe`` events).
 
 The dashboard folds every event into bounded state (the newest steps of each view)
-and redraws all five views together at most ``1 / min_interval`` times a second,
+and redraws all the views together at most ``1 / min_interval`` times a second,
 however fast events arrive. Its own four views are built as plotly figure dicts
 (``{"data": [...], "layout": {...}}``; ``go.Figure(d)`` is the figure): building a
 ``go.Figure`` validates every property, which is most of what a redraw costs
@@ -32,7 +36,6 @@ however fast events arrive. Its own four views are built as plotly figure dicts
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -45,6 +48,7 @@ from dtlab.events import MEMORY_CATEGORIES, Kind
 from dtlab.lab.figures.base import COMPUTE_SPANS, MEMORY_COLORS, SPAN_COLORS, add_trace
 from dtlab.lab.figures.data_parallel import loss_figure
 from dtlab.lab.figures.live import LiveFigure
+from dtlab.lab.figures.throttle import Throttle
 from dtlab.lab.figures.traffic import (
     step_traffic_figure,
     traffic_by_step,
@@ -166,26 +170,76 @@ def step_timeline_figure(spans: Sequence[Mapping], lanes: Sequence[str]) -> dict
 
 
 def _lanes(layout: Layout) -> list[str]:
+    axes = ["pp", "dp", "tp"] + (["cp"] if layout.cp > 1 else [])
     out = []
     for r in range(layout.world_size):
         c = layout.coords(r)
-        out.append(f"rank {r} (pp{c['pp']} dp{c['dp']} tp{c['tp']})")
+        where = " ".join(f"{a}{c[a]}" for a in axes)
+        if layout.ep > 1:  # ep is folded into dp·cp: the rank's place in its group
+            where += f" ep{layout.group_of('ep', r).index(r)}"
+        out.append(f"rank {r} ({where})")
     return out
+
+
+def experts_figure(routing: Mapping[int, Mapping]) -> dict:
+    """Tokens each expert received on each rank (the newest ``moe`` event of every
+    rank, its layers added up) as grouped bars, a figure dict; the title counts the
+    dropped assignments (chapter 11: the router's balance, live)."""
+    ranks = sorted(routing)
+    n_experts = max((len(e["tokens_per_expert"]) for e in routing.values()), default=0)
+    traces = [
+        dict(
+            type="bar",
+            name=f"rank {r}",
+            x=[f"expert {i}" for i in range(n_experts)],
+            y=routing[r]["tokens_per_expert"],
+            hovertemplate="%{x}: %{y} tokens<extra>rank " + str(r) + "</extra>",
+        )
+        for r in ranks
+    ]
+    dropped = sum(e["dropped"] for e in routing.values())
+    layout = dict(
+        barmode="group",
+        title=dict(
+            text=f"Tokens per expert, newest step ({dropped} assignments dropped)"
+        ),
+        yaxis=dict(title=dict(text="tokens routed")),
+        height=320,
+        margin=dict(t=50, b=40, l=50, r=10),
+    )
+    return {"data": traces, "layout": layout}
+
+
+def _add_routing(into: dict, e: Mapping) -> None:
+    """Fold one ``moe`` event into ``into[rank]``: the newest forward's layers added
+    up (a newer step, or a layer seen again, starts the rank's counts afresh)."""
+    seen = into.get(e["rank"])
+    if seen is None or seen["step"] != e.get("step") or e["layer"] in seen["layers"]:
+        seen = into[e["rank"]] = {
+            "step": e.get("step"),
+            "layers": set(),
+            "tokens_per_expert": [0] * len(e["tokens_per_expert"]),
+            "dropped": 0,
+        }
+    seen["layers"].add(e["layer"])
+    seen["tokens_per_expert"] = [
+        a + b for a, b in zip(seen["tokens_per_expert"], e["tokens_per_expert"])
+    ]
+    seen["dropped"] += e["dropped"]
 
 
 # ---- the live dashboard ----------------------------------------------------------
 class Dashboard:
-    """Five live views of one run, fed with telemetry events.
+    """The live views of one run, fed with telemetry events.
 
     Pass it as ``on_events`` (it is callable) to :func:`dtlab.lab.training.start_run`
     or ``cluster.run``. :meth:`update` folds a batch into bounded state (the newest
     ``loss_window`` steps per rank, ``traffic_steps`` steps of traffic, the spans of
     the newest ``timeline_steps`` steps, the latest memory sample per rank, an N×N
-    matrix) and redraws every view at most every ``min_interval`` seconds.
-    :attr:`updates` logs each redraw: wall-clock time, newest step, events so far,
-    and why (``update``: a batch the throttle let through; ``trailing``: what it
-    held back, drawn once ``min_interval`` has passed, unless ``trailing=False``;
-    ``flush``, ``reset``).
+    matrix) and redraws every view at most every ``min_interval`` seconds
+    (:class:`~dtlab.lab.figures.throttle.Throttle`). :attr:`updates` logs each
+    redraw: wall-clock time, newest step, events so far, and why (``update``,
+    ``trailing``: what the throttle held back; ``flush``, ``reset``).
     """
 
     def __init__(
@@ -201,8 +255,6 @@ class Dashboard:
         span_window: int = 5000,
         clock=time.monotonic,
     ):
-        if min_interval < 0:
-            raise ValueError(f"min_interval must be >= 0 seconds, got {min_interval}")
         for name, value in (
             ("loss_window", loss_window),
             ("traffic_steps", traffic_steps),
@@ -212,8 +264,7 @@ class Dashboard:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.min_interval = min_interval
-        self.trailing = trailing
-        self._timer: threading.Timer | None = None  # the throttle's trailing redraw
+        self._throttle = Throttle(self._redraw_held_back, min_interval, clock, trailing)
         self.loss_window = loss_window
         self.traffic_steps = traffic_steps
         self.timeline_steps = timeline_steps
@@ -222,11 +273,11 @@ class Dashboard:
         self._lock = threading.RLock()
         self.updates: deque = deque(maxlen=10_000)
         self.views: dict[str, LiveFigure] = {}  # made after the state
+        self._widget = None
         self.reset(config, world_size)
         self.views = {
             name: LiveFigure(figure=fig) for name, fig in self._figures().items()
         }
-        self._widget = None
 
     # ---- state ------------------------------------------------------------------
     def reset(self, config=None, world_size: int | None = None) -> None:
@@ -246,6 +297,7 @@ class Dashboard:
             self._spans: deque = deque(maxlen=self.span_window)
             self._traffic: OrderedDict = OrderedDict()
             self._matrix = [[0.0] * n for _ in range(n)]
+            self._routing: dict[int, dict] = {}
             self._lanes = _lanes(self.layout)
             self._labels = [f"r{r}" for r in range(n)]
             self._pred_memory = self._pred_traffic = None
@@ -254,14 +306,12 @@ class Dashboard:
                 self._pred_traffic = predicted_traffic(config, world_size)
             self.received = 0
             self.newest_step = -1
-            self._last_draw = -math.inf
-            self._pending = False
-            if self._timer is not None:
-                self._timer.cancel()  # held back from the previous run
-                self._timer = None
+            self._throttle.cancel()  # what the previous run held back
             self.updates.clear()
         if self.views:
             self.redraw("reset")
+        if self._widget is not None:
+            self._widget.children = self._rows()
 
     @property
     def memory(self) -> dict[int, dict]:
@@ -286,28 +336,14 @@ class Dashboard:
         with self._lock:
             for e in events:
                 self._fold(e)
-            self._pending = True
-            wait = self.min_interval - (self.clock() - self._last_draw)
-            if wait > 0:
-                self._redraw_later(wait)
+            if not self._throttle.offer():
                 return False
             self.redraw("update")
             return True
 
-    def _redraw_later(self, wait: float) -> None:
-        """The throttle's trailing edge: what it held back is drawn once the
-        interval is over, even if no batch follows (a rank building its optimizer
-        sends nothing for seconds; measured without it: events drawn 8 s late)."""
-        if not self.trailing or self._timer is not None:
-            return
-        self._timer = threading.Timer(wait, self._redraw_held_back)
-        self._timer.daemon = True  # a kernel that exits does not wait for it
-        self._timer.start()
-
-    def _redraw_held_back(self) -> None:
+    def _redraw_held_back(self) -> None:  # the throttle's trailing edge
         with self._lock:
-            self._timer = None
-            if self._pending:
+            if self._throttle.pending:
                 self.redraw("trailing")
 
     __call__ = update
@@ -323,6 +359,8 @@ class Dashboard:
             self._memory[rank] = dict(e)
         elif kind == Kind.SPAN and e.get("name") in COMPUTE_SPANS:
             self._spans.append(e)
+        elif kind == Kind.MOE:
+            _add_routing(self._routing, e)
         elif kind == Kind.COMM and e.get("wire_bytes"):
             traffic_by_step([e], into=self._traffic)
             while len(self._traffic) > self.traffic_steps:
@@ -336,7 +374,7 @@ class Dashboard:
 
     # ---- drawing ----------------------------------------------------------------
     def _figures(self) -> dict:
-        """The five views as they stand (figures and figure dicts)."""
+        """The views as they stand (figures and figure dicts)."""
         steps = [e for window in self._steps.values() for e in window]
         return {
             "loss": loss_figure(steps, title=LOSS_TITLE),
@@ -346,6 +384,7 @@ class Dashboard:
                 self._traffic, self.layout.world_size, self._pred_traffic
             ),
             "matrix": traffic_matrix_figure(self._matrix, self._labels),
+            "experts": experts_figure(self._routing),
         }
 
     def redraw(self, why: str = "redraw") -> None:
@@ -353,8 +392,7 @@ class Dashboard:
         with self._lock:
             for name, fig in self._figures().items():
                 self.views[name].draw(fig)
-            self._last_draw = self.clock()
-            self._pending = False
+            self._throttle.drawn()
             self.updates.append(
                 {
                     "t": time.time(),
@@ -367,7 +405,7 @@ class Dashboard:
     def flush(self) -> bool:
         """Draw what the throttle held back (call once the run has ended)."""
         with self._lock:
-            if not self._pending:
+            if not self._throttle.pending:
                 return False
             self.redraw("flush")
             return True
@@ -377,19 +415,30 @@ class Dashboard:
         return {name: view.widget for name, view in self.views.items()}
 
     @property
-    def widget(self):
-        """The five views in one ipywidgets box (built once)."""
-        if self._widget is None:
-            from ipywidgets import HBox, VBox
+    def moe(self) -> bool:
+        """Whether this run's model is a mixture of experts (the experts view is
+        shown then)."""
+        return self.config is not None and self.config.model.n_experts > 1
 
-            f = self.figures
-            self._widget = VBox(
-                [
-                    HBox([f["loss"], f["memory"]]),
-                    f["timeline"],
-                    HBox([f["traffic"], f["matrix"]]),
-                ]
-            )
+    def _rows(self) -> list:
+        from ipywidgets import HBox
+
+        f = self.figures
+        rows = [
+            HBox([f["loss"], f["memory"]]),
+            f["timeline"],
+            HBox([f["traffic"], f["matrix"]]),
+        ]
+        return rows + [f["experts"]] if self.moe else rows
+
+    @property
+    def widget(self):
+        """The views in one ipywidgets box (built once; the experts view only for a
+        mixture of experts)."""
+        if self._widget is None:
+            from ipywidgets import VBox
+
+            self._widget = VBox(self._rows())
         return self._widget
 
     def _ipython_display_(self):  # a Dashboard at the end of a cell shows its widget
@@ -412,7 +461,8 @@ def dashboard_figure(
     *,
     title: str | None = None,
 ) -> go.Figure:
-    """The five views of :meth:`Dashboard.figure` (figures or figure dicts) in one
+    """The five views of :meth:`Dashboard.figure` (figures or figure dicts; the
+    experts view is left out) in one
     ``make_subplots`` grid."""
     cells = {
         (1, 1): go.Figure(views["loss"]),

@@ -4,8 +4,12 @@ chapter 07's dashboard (:mod:`dtlab.lab.figures.dashboard`).
 A ring collective (all-reduce, reduce-scatter, all-gather, and broadcast as
 pipelined along the ring) sends only to the next rank of its group's ring; a
 pipeline send goes to the next stage (activations) or to the previous one
-(gradients). :func:`peer_of` applies those rules to one comm event, so a rank ×
-rank matrix of the whole run shows the layout's rings and pipeline.
+(gradients); ring attention's sends name their peer (the next rank of the cp ring);
+an all-to-all (Ulysses, expert parallelism's dispatch and combine: chapter 11)
+sends a piece to every other rank of its group, its event's ``send_bytes`` row
+saying how much to each. :func:`peer_of` and :func:`traffic_matrix` apply those
+rules to comm events, so a rank × rank matrix of the whole run shows the layout's
+rings, its pipeline and its all-to-all blocks.
 """
 
 from __future__ import annotations
@@ -13,14 +17,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dtlab.events import Kind
-from dtlab.lab.figures.base import AXES, AXIS_COLORS, OP_COLORS, PREDICTED_COLOR
+from dtlab.lab.figures.base import (
+    AXES,
+    AXIS_COLORS,
+    BEYOND_3D_AXES,
+    OP_COLORS,
+    PREDICTED_COLOR,
+)
 from dtlab.topology import Layout
 
 _MARGIN = dict(t=50, b=40, l=50, r=10)
 
 
+_ORDER = (*AXES[:3], *BEYOND_3D_AXES, AXES[3])
+
+
 def _group(axis: str, rank: int, layout: Layout) -> list[int]:
-    if axis in ("dp", "tp", "pp"):
+    if axis in _ORDER[:-1]:
         return layout.group_of(axis, rank)
     return list(range(layout.world_size))  # "world", or a group we cannot name
 
@@ -52,6 +65,12 @@ def traffic_matrix(events, layout: Layout, into=None) -> list[list[float]]:
     m = into if into is not None else [[0.0] * n for _ in range(n)]
     for e in events:
         if e.get("kind") == Kind.COMM and e.get("rank") is not None and e["rank"] < n:
+            if e.get("send_bytes") is not None:  # an all-to-all: a row per group
+                group = _group(e.get("axis"), e["rank"], layout)
+                for dst, sent in zip(group, e["send_bytes"], strict=True):
+                    if dst != e["rank"]:
+                        m[e["rank"]][dst] += sent
+                continue
             dst = peer_of(e, layout)
             if dst is not None and dst < n:
                 m[e["rank"]][dst] += e["wire_bytes"]
@@ -72,7 +91,7 @@ def traffic_by_step(events, into=None) -> dict[int, dict[tuple[str, str], float]
 
 def _axis_order(key: tuple[str, str]) -> tuple:
     axis, op = key
-    return (AXES.index(axis) if axis in AXES else len(AXES), axis, op)
+    return (_ORDER.index(axis) if axis in _ORDER else len(_ORDER), axis, op)
 
 
 def step_traffic_figure(
@@ -103,8 +122,8 @@ def step_traffic_figure(
             )
         )
     if predicted is not None:
-        total = sum(predicted.get(a, 0.0) for a in ("dp", "tp", "pp"))
-        parts = ", ".join(f"{a} {predicted.get(a, 0) / 1e3:,.1f}" for a in AXES[:3])
+        total = sum(predicted.values())
+        parts = ", ".join(f"{a} {v / 1e3:,.1f}" for a, v in predicted.items() if v)
         traces.append(
             dict(
                 type="scatter",

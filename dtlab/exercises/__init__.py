@@ -1,0 +1,167 @@
+"""The course's exercises: the learner builds each mechanism, the library checks it.
+
+Every chapter has exercises; each has a checker ``check_<name>(solution,
+cluster=None)`` that runs the learner's function on every rank of the live cluster
+(or locally, for a pure function), compares the result with a reference, and judges
+*how* it was computed from what the ranks really did: the ops, peers and bytes that
+:mod:`dtlab.telemetry` recorded, call counts, peak bytes, overlap. A wrong answer
+raises :class:`ExerciseFailed` (an ``AssertionError``) whose message names what is
+wrong and hints at the fix.
+
+    from dtlab.exercises import check_ring_reduce_scatter, solution
+    check_ring_reduce_scatter(my_ring_reduce_scatter, cluster)
+    solution("ring_reduce_scatter")        # shows the reference, on request
+
+A stub (a body that only raises ``NotImplementedError``) is reported as *not
+attempted yet*, not as a failure; with ``DTLAB_SUBSTITUTE_SOLUTIONS=1`` (the test
+command's switch) the reference runs in its place, so every checker runs end to end.
+Each exercise also carries a catalogue of wrong solutions, the mistakes learners
+really make, each with the message its checker must give; ``tests/test_exercises.py``
+proves every one of them rejected (:data:`REGISTRY`, :func:`catalogue`).
+
+Per chapter three modules: ``chNN_solutions`` (the references, what
+:func:`solution` shows), ``chNN_<topic>`` (the probes that run on the ranks and the
+checkers that judge them: :mod:`.ch01_collectives` … :mod:`.ch10_drill`) and
+``chNN_mistakes`` (the catalogue of wrong solutions). Shared by all: :mod:`.grading`
+(verdicts, stubs, the registry), :mod:`.ranks` (running a probe on every rank) and
+:mod:`.watch` (what a rank's code really did).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+# each chapter's checkers, then its catalogue of mistakes (which registers itself)
+from dtlab.exercises import (  # noqa: F401
+    ch00_mistakes,
+    ch01_mistakes,
+    ch02_mistakes,
+    ch03_mistakes,
+    ch04_mistakes,
+    ch05_mistakes,
+    ch06_mistakes,
+    ch07_mistakes,
+    ch08_mistakes,
+    ch09_mistakes,
+    ch10_mistakes,
+)
+from dtlab.exercises.ch00_memory import check_min_gpus, check_zero2_bytes
+from dtlab.exercises.ch01_collectives import (
+    check_ring_all_reduce,
+    check_ring_reduce_scatter,
+)
+from dtlab.exercises.ch02_data_parallel import (
+    check_bucketed_hooks,
+    check_grad_hooks,
+    check_no_sync_accumulation,
+    check_overlapped_hooks,
+)
+from dtlab.exercises.ch03_zero import (
+    check_fsdp_unit,
+    check_zero1_step,
+    check_zero2_hooks,
+)
+from dtlab.exercises.ch04_tensor_parallel import (
+    check_column_parallel,
+    check_row_parallel,
+    check_sequence_parallel,
+)
+from dtlab.exercises.ch05_pipeline import (
+    check_one_f_one_b,
+    check_pipeline_executor,
+)
+from dtlab.exercises.ch06_mixed_precision import check_loss_scaler, check_underflow
+from dtlab.exercises.ch07_layouts import check_layout_defence, check_rank_order
+from dtlab.exercises.ch08_memory import check_accumulation, check_checkpointing
+from dtlab.exercises.ch09_planning import check_step_time, check_zero_states
+from dtlab.exercises.ch10_cards import CARDS, MockRound, grade
+from dtlab.exercises.ch10_drill import check_ddp_wire_bytes, check_drill
+from dtlab.exercises.grading import (
+    REGISTRY,
+    SUBSTITUTE_ENV,
+    Exercise,
+    ExerciseFailed,
+    Mistake,
+    NotAttempted,
+    Report,
+    is_stub,
+    substituting,
+)
+
+__all__ = [
+    "ExerciseFailed",
+    "NotAttempted",
+    "Report",
+    "Exercise",
+    "Mistake",
+    "REGISTRY",
+    "SUBSTITUTE_ENV",
+    "is_stub",
+    "substituting",
+    "solution",
+    "exercise",
+    "catalogue",
+    "check_zero2_bytes",
+    "check_min_gpus",
+    "check_ring_reduce_scatter",
+    "check_ring_all_reduce",
+    "check_grad_hooks",
+    "check_overlapped_hooks",
+    "check_bucketed_hooks",
+    "check_no_sync_accumulation",
+    "check_zero1_step",
+    "check_zero2_hooks",
+    "check_fsdp_unit",
+    "check_column_parallel",
+    "check_row_parallel",
+    "check_sequence_parallel",
+    "check_one_f_one_b",
+    "check_pipeline_executor",
+    "check_loss_scaler",
+    "check_underflow",
+    "check_layout_defence",
+    "check_rank_order",
+    "check_checkpointing",
+    "check_accumulation",
+    "check_step_time",
+    "check_zero_states",
+    "check_ddp_wire_bytes",
+    "check_drill",
+    "CARDS",
+    "grade",
+    "MockRound",
+]
+
+
+def exercise(name: str) -> Exercise:
+    """The exercise called ``name`` (its checker, reference and mistakes)."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"no exercise {name!r}: choose one of {sorted(REGISTRY)}"
+        ) from None
+
+
+def solution(name: str, *, show: bool = True) -> str:
+    """The reference solution of exercise ``name``, as source (printed unless
+    ``show=False``): read it after trying, or when stuck."""
+    source = inspect.getsource(exercise(name).reference)
+    if show:
+        print(source)
+    return source
+
+
+def catalogue(chapter: int | None = None) -> list[dict]:
+    """One row per exercise: chapter, name, what its checker measures, and the
+    wrong solutions it is proven to reject (with the message fragment of each)."""
+    return [
+        {
+            "chapter": ex.chapter,
+            "name": ex.name,
+            "measures": ex.measures,
+            "rejects": [(m.name, m.expect) for m in ex.mistakes],
+        }
+        for ex in REGISTRY.values()
+        if chapter is None or ex.chapter == chapter
+    ]

@@ -1,0 +1,217 @@
+"""Chapter 08's exercises: activation checkpointing, and gradient accumulation.
+
+Both run in this process (each rank would do the same thing alone).
+
+1. ``checkpointing``: a GPT with dropout 0.1 wrapped by the learner against the same
+   GPT unwrapped: the loss and every gradient bit-identical (dropout included),
+   every block recomputed in backward (the checker's pre-hooks on each block's
+   modules count two calls, one in the forward and one in the recomputation), and
+   no more bytes saved for backward than dtlab's full recomputation saves
+   (:class:`dtlab.memory.SavedBytes`).
+2. ``accumulation``: micro-batches of *unequal* sizes; the gradient left in
+   ``.grad`` must be the mean loss's over every sample, and the activations held at
+   once (live :class:`dtlab.memory.SavedBytes`) no more than the largest
+   micro-batch's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dtlab import recompute
+from dtlab.exercises.ch08_solutions import accumulate_gradients, checkpoint_blocks
+from dtlab.exercises.grading import ExerciseFailed, attempt, exercise
+from dtlab.exercises.watch import Watch
+from dtlab.memory import SavedBytes
+from dtlab.model import GPT, GPTConfig, SyntheticTokens, param_generator
+
+__all__ = ["check_checkpointing", "check_accumulation"]
+
+CONFIG = GPTConfig(
+    vocab_size=32, seq_len=16, n_layers=3, n_heads=2, d_model=32, dropout=0.1
+)
+
+
+def _tick(calls: dict, key, counts: dict) -> None:
+    """One more call of one module of part ``key``; the part's count is its
+    busiest module's."""
+    counts["n"] = counts.get("n", 0) + 1
+    calls[key] = max(calls[key], counts["n"])
+
+
+def _run(prepare, x, y):
+    """A fresh GPT, ``prepare``d; one forward (counting saved bytes and each block
+    module's calls) and backward with the same dropout masks every time."""
+    model = GPT(CONFIG, seed=0)
+    forbidden = {
+        recompute.apply_activation_checkpointing: (
+            "dtlab.recompute.apply_activation_checkpointing"
+        )
+    }
+    with Watch(forbidden) as seen:
+        attempt(prepare, model)
+    # how often each part of each block ran: a part recomputed through its own
+    # __call__ (the block's children) or through its parent's forward (theirs)
+    calls = {}
+    for b, block in enumerate(model.blocks):
+        for name, child in block.named_children():
+            calls[b, name] = 0
+            for part in child.modules():
+                counts = {}
+                part.register_forward_pre_hook(
+                    lambda mod, args, key=(b, name), counts=counts: _tick(
+                        calls, key, counts
+                    )
+                )
+    torch.manual_seed(1234)  # the forward's dropout masks
+    with SavedBytes(skip_params=True) as saved:
+        loss = model(x, y)[1]
+    attempt(loss.backward)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return {
+        "loss": loss.detach(),
+        "grads": grads,
+        "saved": saved.bytes,
+        "calls": calls,
+        "forbidden": seen.forbidden,
+    }
+
+
+@exercise(
+    "checkpointing",
+    chapter=8,
+    reference=checkpoint_blocks,
+    local=True,
+    measures=(
+        "loss and every gradient torch.equal to the unwrapped GPT (dropout 0.1); "
+        "every block's modules run twice (forward + recomputation); saved bytes ≤ "
+        "dtlab's full recomputation"
+    ),
+)
+def check_checkpointing(solution, cluster=None):
+    x, y = SyntheticTokens(CONFIG.vocab_size, CONFIG.seq_len).batch(0, 4)
+    plain = _run(lambda m: m, x, y)
+    full = _run(lambda m: recompute.apply_activation_checkpointing(m, "full"), x, y)
+    mine = _run(solution, x, y)
+    if mine["forbidden"]:
+        raise ExerciseFailed(
+            f"you called {', '.join(mine['forbidden'])}: wrap the blocks yourself, "
+            "with torch.utils.checkpoint.checkpoint."
+        )
+    for b in range(CONFIG.n_layers):
+        twice = [n for (k, n), c in mine["calls"].items() if k == b and c >= 2]
+        if not twice:
+            raise ExerciseFailed(
+                f"block {b} is not recomputed in backward: its modules ran once. "
+                "Wrap every block of model.blocks."
+            )
+        once = [n for (k, n), c in mine["calls"].items() if k == b and c < 2]
+        if once:
+            raise ExerciseFailed(
+                f"block {b}: only {twice} are recomputed, {once} are not: checkpoint "
+                "the whole block, so that only its input is kept."
+            )
+    if not torch.equal(mine["loss"], plain["loss"]):
+        raise ExerciseFailed("the loss changed: checkpointing must not change numbers")
+    for name, want in plain["grads"].items():
+        got = mine["grads"].get(name)
+        if got is None or not torch.equal(got, want):
+            raise ExerciseFailed(
+                f"the gradient of {name} differs from the model without "
+                "checkpointing. The recomputation must see the forward's random "
+                "state (preserve_rng_state=True), so dropout draws the same masks, "
+                "and run with gradients enabled."
+            )
+    if mine["saved"] > full["saved"]:
+        raise ExerciseFailed(
+            f"the forward saved {mine['saved']} bytes for backward; full "
+            f"recomputation saves {full['saved']} (without: {plain['saved']}). What "
+            "else is kept?"
+        )
+    return [
+        "loss and every gradient bit-identical to the unwrapped GPT, dropout 0.1",
+        f"every block recomputed; {mine['saved']} B saved for backward (full "
+        f"recomputation {full['saved']} B, none {plain['saved']} B)",
+    ]
+
+
+# ---- 2. accumulation ---------------------------------------------------------------
+SIZES = (4, 2, 6)  # unequal micro-batches: a plain 1/k weighting is wrong
+
+
+def _accumulation_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 8))
+
+
+def _micro_batches():
+    gen = param_generator(0, "accumulation")
+    return [
+        (torch.randn(b, 8, generator=gen), torch.randn(b, 8, generator=gen))
+        for b in SIZES
+    ]
+
+
+def _activation_peak(model, x, y) -> int:
+    with SavedBytes(skip_params=True) as saved:
+        nn.functional.mse_loss(model(x), y)
+    return saved.bytes
+
+
+@exercise(
+    "accumulation",
+    chapter=8,
+    reference=accumulate_gradients,
+    local=True,
+    measures=(
+        "micro-batches of 4, 2 and 6 samples: .grad == the mean loss's gradient "
+        "over all 12; activations held at once ≤ the largest micro-batch's"
+    ),
+)
+def check_accumulation(solution, cluster=None):
+    batches = _micro_batches()
+    whole = _accumulation_model()
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    nn.functional.mse_loss(whole(x), y).backward()
+    largest = max(_activation_peak(_accumulation_model(), *b) for b in batches)
+    model = _accumulation_model()
+    held = SavedBytes(skip_params=True, live=True)
+    peak = [0]
+    held.on_new = lambda _: peak.__setitem__(0, max(peak[0], held.bytes))
+    with held:
+        attempt(solution, model, batches, nn.functional.mse_loss)
+    if peak[0] > largest:
+        raise ExerciseFailed(
+            f"{peak[0]} bytes of activations were held at once, more than the "
+            f"largest micro-batch's {largest}: all micro-batches were alive "
+            "together. Call backward after each micro-batch's forward."
+        )
+    k = len(batches)
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        if p.grad is None:
+            raise ExerciseFailed(f"{name} has no gradient")
+        if torch.allclose(p.grad, q.grad, atol=1e-6):
+            continue
+        last = _accumulation_model()  # what zero_grad between micro-batches leaves
+        nn.functional.mse_loss(last(batches[-1][0]), batches[-1][1]).backward()
+        g_last = dict(last.named_parameters())[name].grad
+        share = batches[-1][0].shape[0] / x.shape[0]
+        if any(torch.allclose(p.grad, g_last * w, atol=1e-6) for w in (share, 1 / k)):
+            raise ExerciseFailed(
+                "only the last micro-batch's gradient is left: no zero_grad between "
+                "micro-batches, their gradients must add up in .grad."
+            )
+        raise ExerciseFailed(
+            f"the gradient of {name} is not the mean loss's over all "
+            f"{x.shape[0]} samples. With micro-batches of {list(SIZES)} samples, "
+            f"weight each micro-batch's mean loss by its share of the samples "
+            f"(b_i / {x.shape[0]}), not by 1/{k}, and add the gradients up."
+        )
+    return [
+        f"the gradient equals the mean loss's over {x.shape[0]} samples in "
+        f"micro-batches of {list(SIZES)}",
+        f"at most {peak[0]} B of activations held at once (the largest "
+        f"micro-batch's: {largest} B)",
+    ]

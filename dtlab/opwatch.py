@@ -1,0 +1,90 @@
+"""What this rank is doing: the collective it is blocked in (or failed in), else the
+last one it finished, for the error messages that name what every rank was doing.
+
+Taught in chapter 01 (debugging a hang). :mod:`dtlab.comm` marks every call here
+before it blocks and after it returns; :func:`watch` mirrors each change to a
+callback (the lab writes it where the notebook can read it while the rank is stuck;
+the exercises read the launches and waits). A watcher receives ``(entry, active)``
+with ``entry = (op, numel, dtype, axis, tag, t_wall)``; an async op's ``wait()``
+marks its entry active a second time, then inactive.
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = [
+    "enter",
+    "leave",
+    "entry",
+    "describe_op",
+    "current_op",
+    "forget_ops",
+    "watch",
+    "unwatch",
+]
+
+# A rank that hangs or fails is reported with the collective it was in. Each call
+# sets ``_NOW[0]`` before it blocks and clears it after (an exception leaves it set:
+# the failed op is the one to report); ``_LAST[0]`` keeps the last one finished.
+# ``watch(fn)`` mirrors every change to ``fn`` (the lab writes it where the notebook
+# can read it while the rank is stuck). Cost with nobody watching: two assignments.
+_NOW: list = [None]  # (op, numel, dtype, axis, tag, t_wall) or None
+_LAST: list = [None]
+_WATCHERS: list = []
+
+
+def enter(entry) -> None:
+    _NOW[0] = entry
+    for w in _WATCHERS:
+        w(entry, True)
+
+
+def leave(entry) -> None:
+    _NOW[0] = None
+    _LAST[0] = entry
+    for w in _WATCHERS:
+        w(entry, False)
+
+
+def entry(op, tensor, axis, tag):
+    if tensor is None:
+        return (op, 0, None, axis, tag, time.time())
+    return (op, tensor.numel(), tensor.dtype, axis, tag, time.time())
+
+
+def describe_op(entry) -> str:
+    """``all_reduce(numel=1024, float32, group dp, tag 'ddp/bucket0')``."""
+    op, numel, dtype, axis, tag, _ = entry
+    dtype = str(dtype).replace("torch.", "") if dtype is not None else None
+    parts = [f"numel={numel}"] + ([dtype] if dtype else []) + [f"group {axis}"]
+    if tag is not None:
+        parts.append(f"tag {tag!r}")
+    return f"{op}({', '.join(parts)})"
+
+
+def current_op() -> str:
+    """What this rank is doing, in words: the collective it is blocked in (or
+    failed in), else the last one it finished."""
+    now, last = _NOW[0], _LAST[0]
+    if now is not None:
+        return f"in {describe_op(now)} for {time.time() - now[5]:.1f}s"
+    if last is not None:
+        return f"not in a collective (the last one: {describe_op(last)})"
+    return "not in a collective (none yet)"
+
+
+def forget_ops() -> None:
+    """Start a new call with a clean slate (the lab does this per ``cluster.run``)."""
+    _NOW[0] = _LAST[0] = None
+
+
+def watch(fn) -> None:
+    """``fn(entry, active)`` on every collective start (True) and end (False)."""
+    if fn not in _WATCHERS:
+        _WATCHERS.append(fn)
+
+
+def unwatch(fn) -> None:
+    if fn in _WATCHERS:
+        _WATCHERS.remove(fn)
