@@ -101,7 +101,7 @@ if [[ "$nnodes" -eq 1 && -z "$rdzv" ]]; then
     env_vars+=("GLOO_SOCKET_IFNAME=${ifname:-${GLOO_SOCKET_IFNAME:-lo}}")
 else
     if [[ -z "$rdzv" && -n "${SLURM_JOB_NODELIST:-}" ]]; then
-        head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+        head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"  # sed reads all: no SIGPIPE under pipefail
         rdzv="$head_node:${DTLAB_RDZV_PORT:-29500}"
     fi
     [[ -n "$rdzv" ]] || die "--nnodes $nnodes needs --rdzv HOST:PORT (a port on the first node)"

@@ -81,6 +81,10 @@ def _open_kernel(base, runtime_dir):
     (path,) = glob.glob(os.path.join(runtime_dir, f"kernel-{kernel['id']}.json"))
     kc = BlockingKernelClient()
     kc.load_connection_file(path)
+    # a client without its kernel's manager judges "alive" by heartbeats, 1 s by
+    # default: a starting kernel on a loaded machine missed one and was taken for
+    # dead. A dead kernel still fails below, at wait_for_ready's timeout.
+    kc.hb_channel.time_to_dead = 30.0
     kc.start_channels()
     kc.wait_for_ready(timeout=120)
     return kc

@@ -18,6 +18,7 @@ CFG = GPTConfig()
     "changes, match",
     [
         (dict(steps=-1), "steps"),
+        (dict(steps=0), "steps"),  # would occupy the engines for nothing
         (dict(global_batch_size=0), "global_batch_size"),
         (dict(grad_accum_steps=0), "grad_accum_steps"),
         (dict(lr=0.0), "lr"),
