@@ -377,20 +377,20 @@ class _Running:
 
 def test_start_with_a_world_the_machine_cannot_give_stops_nothing():
     pytest.importorskip("ipyparallel")
-    from dtlab.lab import cluster as cluster_mod
+    from dtlab.lab import start, teardown
 
     old = _Running()
-    cluster_mod._LIVE.add(old)
+    teardown.register(old)  # as if the notebook had started it
     before = _children()
     try:
         with pytest.raises(ValueError, match="more than this machine can run"):
-            cluster_mod.start(world_size=max_cpu_world_size() + 1)
+            start(world_size=max_cpu_world_size() + 1)
         assert not old.stopped, "a bad request stopped the running cluster"
         with pytest.raises(ValueError, match="world_size must be a positive"):
-            cluster_mod.start(world_size=0)
+            start(world_size=0)
         assert not old.stopped
     finally:
-        cluster_mod._LIVE.discard(old)
+        teardown.forget(old)
     assert _children() <= before
 
 
