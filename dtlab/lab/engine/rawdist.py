@@ -29,6 +29,11 @@ from dtlab import comm
 from dtlab.lab.engine.state import state
 
 TAG = "torch.distributed"
+RECORDS_ONLY = True
+"""This module's frames only record a call: a checker that asks who called a
+``torch.distributed`` function looks past them (:mod:`dtlab.exercises.watch`)."""
+# isend and irecv stay torch's own: dist.P2POp (and so batch_isend_irecv and torch's
+# pipelining) accepts only those two very functions
 NAMES = (
     "all_reduce",
     "broadcast",
@@ -47,8 +52,6 @@ NAMES = (
     "monitored_barrier",
     "send",
     "recv",
-    "isend",
-    "irecv",
     "all_gather_object",
     "broadcast_object_list",
     "gather_object",
@@ -131,7 +134,7 @@ def _wrap(name: str, real):
             _local.raw = 0
         _post(entry, False)
         _last[0] = None
-        if kwargs.get("async_op") or name in ("isend", "irecv"):
+        if kwargs.get("async_op"):
             return _Waiting(out, entry) if out is not None else out
         return out
 
