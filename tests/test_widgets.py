@@ -170,7 +170,10 @@ def test_stop_ends_every_rank_at_the_same_step_and_the_next_run_works(lab_cluste
     panel.steps.value = 3
     panel.run_button.click()
     again = panel.wait(timeout=60)
-    assert again.losses() == stopped.losses()[:3]
+    # (the stopped run may hold only 2 steps: Stop can land right after step 1)
+    shared = min(3, len(stopped.losses()))
+    assert len(again.losses()) == 3
+    assert again.losses()[:shared] == stopped.losses()[:shared]
     assert [h["broken"] for h in cluster.health()] == [None] * 4
 
 
