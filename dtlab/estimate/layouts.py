@@ -140,7 +140,7 @@ def value_bytes(precision: str) -> int:
 def _stage_memory(
     spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
     schedule, chunks, checkpointing, sequence_parallel, optimizer, offload, states,
-    seq_len, activations, dropout, cp_variant,
+    seq_len, activations, dropout, cp_variant, dropout_mask_bytes,
 ) -> dict[str, float]:  # fmt: skip
     sp = stage_params(spec, par, stage)
     group = par.dp * par.cp  # replicas of every weight (ZeRO shards over them)
@@ -173,7 +173,7 @@ def _stage_memory(
         per_layer = dtlab_saved_bytes_per_layer(
             s, b, spec.d_model, spec.n_heads, d_ff=spec.d_ff, recompute=checkpointing,
             bytes_per_value=bpv, dropout=dropout, cp=par.cp, cp_variant=cp_variant,
-            **layer_kw,
+            dropout_mask_bytes=dropout_mask_bytes, **layer_kw,
         )  # fmt: skip
     else:
         per_layer = activation_bytes_per_layer(
@@ -252,6 +252,7 @@ def layout_memory(
     seq_len: int | None = None,
     activations: str = "paper",
     cp_variant: str = "ring",
+    dropout_mask_bytes: int = 1,
 ) -> dict[str, float]:
     """Bytes one device holds under ``layout``, by category:
     ``{"params", "grads", "optimizer", "activations", "total"}`` (and ``"host"``
@@ -278,7 +279,9 @@ def layout_memory(
       (the paper counts dropout masks). ``activations="dtlab"`` counts instead
       what dtlab's GPT saves in its forward, exactly
       (:func:`dtlab_saved_bytes_per_layer`, plus the embeddings' and the head's
-      saved tensors): what dtlab.memory measures.
+      saved tensors): what dtlab.memory measures. ``dropout_mask_bytes``: what a
+      dropout mask costs per value with dropout on (1 on a GPU; on a CPU the
+      values' size: :func:`dropout_mask_bytes`).
 
     ``precision``: "fp32", or "bf16"/"fp16" (16-bit compute, fp32 master weights,
     2-byte activations), or "pure_bf16". ``microbatches``: per optimizer step and
@@ -308,7 +311,7 @@ def layout_memory(
         sequence_parallel=sequence_parallel, optimizer=optimizer, offload=offload,
         states=states, seq_len=seq_len, activations=activations,
         dropout=getattr(model, "dropout", 0.0) > 0,  # a dtlab GPTConfig's
-        cp_variant=cp_variant,
+        cp_variant=cp_variant, dropout_mask_bytes=dropout_mask_bytes,
     )  # fmt: skip
     if stage is not None:
         return _stage_memory(spec, par, stage, **kw)
