@@ -18,6 +18,7 @@ def test_the_graded_cards_name_real_rubrics():
         "zero_stages": "zero_stages",
         "one_f_one_b": "one_f_one_b",
         "amp_loss_scaling": "mixed_precision",
+        "long_context_moe": "long_context",
     }
 
 
