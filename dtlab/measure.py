@@ -69,7 +69,7 @@ def predicted_memory(config, layout: Layout, stage=None, device=None) -> dict:
         checkpointing=config.activation_checkpointing,
         sequence_parallel=config.sequence_parallel, offload=config.offload,
         stage=stage, activations="dtlab", cp_variant=config.cp_variant,
-        dropout_mask_bytes=masks,
+        dropout_mask_bytes=masks, zero_shard_size=config.zero_shard_size,
     )  # fmt: skip
 
 
