@@ -16,7 +16,7 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check dtlab tests notebooks cluster
 	$(BIN)/ruff format --check dtlab tests notebooks cluster
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest --durations=20 tests
 	DTLAB_SUBSTITUTE_SOLUTIONS=1 $(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=300 \
 		-p tests.nbval_guard notebooks
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import statistics
 
+import torch
+
 from dtlab import estimate
+from dtlab.estimate.layouts import value_bytes
 from dtlab.events import MEMORY_CATEGORIES, Kind, zero_stage
 from dtlab.topology import Layout
 
@@ -50,10 +53,15 @@ def predicted_traffic(config, layout: Layout) -> dict:
     return out
 
 
-def predicted_memory(config, layout: Layout, stage=None) -> dict:
+def predicted_memory(config, layout: Layout, stage=None, device=None) -> dict:
     """Bytes per rank by category (:func:`dtlab.estimate.layout_memory`), at pipeline
-    stage ``stage`` or, by default, the most loaded one."""
+    stage ``stage`` or, by default, the most loaded one, for ranks on ``device``
+    (default: a GPU if this process sees one, else the CPU; with dropout on, the
+    masks' size depends on it)."""
     _, per_flush, rows = _shape(config, layout)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    masks = estimate.dropout_mask_bytes(device, value_bytes(config.precision))
     return estimate.layout_memory(
         config.model, layout, zero_stage=_zero_stage(config.strategy),
         precision=config.precision, micro_batch_size=rows, microbatches=per_flush,
@@ -61,6 +69,7 @@ def predicted_memory(config, layout: Layout, stage=None) -> dict:
         checkpointing=config.activation_checkpointing,
         sequence_parallel=config.sequence_parallel, offload=config.offload,
         stage=stage, activations="dtlab", cp_variant=config.cp_variant,
+        dropout_mask_bytes=masks, zero_shard_size=config.zero_shard_size,
     )  # fmt: skip
 
 

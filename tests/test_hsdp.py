@@ -32,6 +32,7 @@ import torch
 from dtlab import bench, estimate
 from dtlab.model import GPT, GPTConfig, SyntheticTokens
 from dtlab.reference import train_reference
+from dtlab.topology import Layout
 
 pytestmark = pytest.mark.cluster
 
@@ -294,6 +295,17 @@ def test_memory_per_rank_is_the_shard_groups_slice(gpt_runs):
             assert got["grads"] == want["grads"], stage
             steps = ADAM_STEP_BYTES * run["pieces"]
             assert got["optimizer"] == want["optimizer"] + steps, stage
+    # the layout estimate takes HSDP's shard group: the same divisor
+    model = GPTConfig()
+    for stage in (1, 2, 3):
+        got = estimate.layout_memory(
+            model, Layout(dp=8), zero_stage=stage, zero_shard_size=2
+        )
+        want = estimate.hsdp_states_per_rank(GPT(model).n_params(), 2, 4, stage, "fp32")
+        for k in ("params", "grads", "optimizer"):
+            assert got[k] == want[k], (stage, k)
+    with pytest.raises(ValueError, match="zero_shard_size=3 does not divide"):
+        estimate.layout_memory(model, Layout(dp=8), zero_stage=3, zero_shard_size=3)
     # the estimate: S's divisor, whatever R is
     psi = 1e9
     one = estimate.zero_states_per_rank(psi, 8, 3, "mixed")

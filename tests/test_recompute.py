@@ -201,6 +201,18 @@ def test_saved_bytes_match_the_formula(dropout):
             f"fwd {r['forward_s'] * 1e3:.1f} ms, bwd {r['backward_s'] * 1e3:.1f} ms"
         )
         assert len(set(r["per_block"])) == 1  # every layer keeps the same
+        # dtlab's own count, to the byte: on a CPU the masks are fp32 values
+        exact = estimate.dtlab_saved_bytes_per_layer(
+            S,
+            B,
+            H,
+            A,
+            recompute=mode,
+            bytes_per_value=4,
+            dropout=dropout > 0,
+            dropout_mask_bytes=estimate.dropout_mask_bytes("cpu", 4),
+        )
+        assert r["block_bytes"] == exact, mode
         # the left-out LayerNorm statistics and causal mask: < 1 % (see docstring)
         assert want <= r["block_bytes"] <= want * 1.01, mode
         # embeddings, head and loss do not depend on the mode

@@ -47,6 +47,9 @@ from dtlab.estimate.activations import (
     RECOMPUTE,
     activation_bytes,
     activation_bytes_per_layer,
+    dropout_mask_bytes,
+    dtlab_saved_bytes_outside_layers,
+    dtlab_saved_bytes_per_layer,
 )
 from dtlab.estimate.collectives import (
     COLLECTIVES,
@@ -151,6 +154,9 @@ __all__ = [
     "zero_memory_per_device",
     "activation_bytes_per_layer",
     "activation_bytes",
+    "dtlab_saved_bytes_per_layer",
+    "dtlab_saved_bytes_outside_layers",
+    "dropout_mask_bytes",
     "model_params",
     "ModelPreset",
     "MODELS",

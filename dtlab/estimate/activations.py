@@ -88,6 +88,7 @@ def dtlab_saved_bytes_per_layer(
     dropout: bool = False,
     cp: int = 1,
     cp_variant: str = "ring",
+    dropout_mask_bytes: int = 1,
 ) -> float:
     """The bytes one block of :class:`dtlab.model.GPT` saves for backward, exactly
     (the saved-tensor hooks of chapter 08 measure this number).
@@ -105,9 +106,12 @@ def dtlab_saved_bytes_per_layer(
       fc, ``4·sbh`` values; divided by t: q and k (the scores' inputs), v, the
       output projection's input, and the MLP's GELU input and output, ``(4 +
       2f)·sbh/t``; the score matrix ``a·s²·b/t`` (softmax output);
-    - dropout, when on: its three 1-byte masks (``2·sbh`` + ``as²b/t``) and the
-      attention dropout's output (``as²b/t`` values). dtlab's GPT defaults to no
-      dropout: the paper always counts them;
+    - dropout, when on: its three masks (``2·sbh`` + ``as²b/t`` of
+      ``dropout_mask_bytes`` each) and the attention dropout's output (``as²b/t``
+      values). dtlab's GPT defaults to no dropout: the paper always counts them.
+      A mask is 1 byte on a GPU (torch's fused dropout keeps a bool), as the
+      paper counts; on a CPU torch keeps the scaled mask in the values' dtype, so
+      pass ``dropout_mask_bytes=bytes_per_value`` there (:func:`dropout_mask_bytes`);
     - beyond the paper: each LayerNorm's mean and 1/std (``2·2·sb`` values) and
       the causal mask, ``s²`` bools (built per layer, not divided by tp).
 
@@ -151,12 +155,21 @@ def dtlab_saved_bytes_per_layer(
     # LayerNorm inputs (2), q/k/v and fc inputs (2, gathered whole under SP), the
     # tp-split inputs (q, k, v, proj: 4; GELU in and out: 2f), LayerNorm statistics
     linear = v * sbh * (2 / split + 2 + (4 + 2 * f) / t) + v * 2 * 2 * sb / split
-    masks = 2 * sbh / split if dropout else 0.0
+    mb = dropout_mask_bytes
+    masks = mb * 2 * sbh / split if dropout else 0.0
     if recompute == "selective":
         return linear + masks
     scores = v * a * s * s * b / t * (2 if dropout else 1)
-    scores += a * s * s * b / t if dropout else 0.0  # the attention dropout's mask
+    scores += mb * a * s * s * b / t if dropout else 0.0  # attention dropout's mask
     return linear + masks + scores + s * s
+
+
+def dropout_mask_bytes(device, bytes_per_value: int) -> int:
+    """Bytes per value of a dropout mask torch saves on ``device``: 1 on CUDA (its
+    fused ``native_dropout`` keeps a bool mask), else the values' own size (the
+    unfused path multiplies by a scaled mask of the input's dtype and saves it)."""
+    kind = device.type if hasattr(device, "type") else str(device).split(":")[0]
+    return 1 if kind == "cuda" else bytes_per_value
 
 
 def dtlab_saved_bytes_outside_layers(

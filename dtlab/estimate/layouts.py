@@ -140,10 +140,11 @@ def value_bytes(precision: str) -> int:
 def _stage_memory(
     spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
     schedule, chunks, checkpointing, sequence_parallel, optimizer, offload, states,
-    seq_len, activations, dropout, cp_variant,
+    seq_len, activations, dropout, cp_variant, dropout_mask_bytes, zero_shard_size,
 ) -> dict[str, float]:  # fmt: skip
     sp = stage_params(spec, par, stage)
-    group = par.dp * par.cp  # replicas of every weight (ZeRO shards over them)
+    # the replicas of every weight ZeRO shards over: all of them, or HSDP's group
+    group = zero_shard_size or par.dp * par.cp
     expert_group = group // par.ep
     policy = state_precision(precision)
     dense = sharded_dense_count(spec, par, sp, zero_stage)
@@ -173,7 +174,7 @@ def _stage_memory(
         per_layer = dtlab_saved_bytes_per_layer(
             s, b, spec.d_model, spec.n_heads, d_ff=spec.d_ff, recompute=checkpointing,
             bytes_per_value=bpv, dropout=dropout, cp=par.cp, cp_variant=cp_variant,
-            **layer_kw,
+            dropout_mask_bytes=dropout_mask_bytes, **layer_kw,
         )  # fmt: skip
     else:
         per_layer = activation_bytes_per_layer(
@@ -252,6 +253,8 @@ def layout_memory(
     seq_len: int | None = None,
     activations: str = "paper",
     cp_variant: str = "ring",
+    dropout_mask_bytes: int = 1,
+    zero_shard_size: int | None = None,
 ) -> dict[str, float]:
     """Bytes one device holds under ``layout``, by category:
     ``{"params", "grads", "optimizer", "activations", "total"}`` (and ``"host"``
@@ -278,7 +281,11 @@ def layout_memory(
       (the paper counts dropout masks). ``activations="dtlab"`` counts instead
       what dtlab's GPT saves in its forward, exactly
       (:func:`dtlab_saved_bytes_per_layer`, plus the embeddings' and the head's
-      saved tensors): what dtlab.memory measures.
+      saved tensors): what dtlab.memory measures. ``dropout_mask_bytes``: what a
+      dropout mask costs per value with dropout on (1 on a GPU; on a CPU the
+      values' size: :func:`dropout_mask_bytes`). ``zero_shard_size``: HSDP's shard
+      group (chapter 11): ZeRO shards the states over that many replicas and
+      replicates them across the groups (:func:`hsdp_states_per_rank`).
 
     ``precision``: "fp32", or "bf16"/"fp16" (16-bit compute, fp32 master weights,
     2-byte activations), or "pure_bf16". ``microbatches``: per optimizer step and
@@ -287,6 +294,14 @@ def layout_memory(
     spec, par = model_spec(model), as_parallelism(layout)
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"unknown ZeRO stage {zero_stage!r}: expected 0, 1, 2 or 3")
+    replicas = par.dp * par.cp
+    if zero_shard_size is not None and replicas % positive_int(
+        "zero_shard_size", zero_shard_size
+    ):
+        raise ValueError(
+            f"zero_shard_size={zero_shard_size} does not divide the {replicas} "
+            "data-parallel ranks: HSDP cuts them into equal shard groups"
+        )
     for name, value in (
         ("micro_batch_size", micro_batch_size),
         ("microbatches", microbatches),
@@ -308,7 +323,8 @@ def layout_memory(
         sequence_parallel=sequence_parallel, optimizer=optimizer, offload=offload,
         states=states, seq_len=seq_len, activations=activations,
         dropout=getattr(model, "dropout", 0.0) > 0,  # a dtlab GPTConfig's
-        cp_variant=cp_variant,
+        cp_variant=cp_variant, dropout_mask_bytes=dropout_mask_bytes,
+        zero_shard_size=zero_shard_size,
     )  # fmt: skip
     if stage is not None:
         return _stage_memory(spec, par, stage, **kw)

@@ -21,7 +21,7 @@ proves every one of them rejected (:data:`REGISTRY`, :func:`catalogue`).
 
 Per chapter three modules: ``chNN_solutions`` (the references, what
 :func:`solution` shows), ``chNN_<topic>`` (the probes that run on the ranks and the
-checkers that judge them: :mod:`.ch01_collectives` … :mod:`.ch10_drill`) and
+checkers that judge them: :mod:`.ch01_collectives` … :mod:`.ch11_beyond`) and
 ``chNN_mistakes`` (the catalogue of wrong solutions). Shared by all: :mod:`.grading`
 (verdicts, stubs, the registry), :mod:`.ranks` (running a probe on every rank) and
 :mod:`.watch` (what a rank's code really did).
@@ -44,6 +44,7 @@ from dtlab.exercises import (  # noqa: F401
     ch08_mistakes,
     ch09_mistakes,
     ch10_mistakes,
+    ch11_mistakes,
 )
 from dtlab.exercises.ch00_memory import check_min_gpus, check_zero2_bytes
 from dtlab.exercises.ch01_collectives import (
@@ -76,6 +77,11 @@ from dtlab.exercises.ch08_memory import check_accumulation, check_checkpointing
 from dtlab.exercises.ch09_planning import check_step_time, check_zero_states
 from dtlab.exercises.ch10_cards import CARDS, MockRound, grade
 from dtlab.exercises.ch10_drill import check_ddp_wire_bytes, check_drill
+from dtlab.exercises.ch11_beyond import (
+    check_all_to_all_splits,
+    check_merge_attention,
+    check_moe_dispatch,
+)
 from dtlab.exercises.grading import (
     REGISTRY,
     SUBSTITUTE_ENV,
@@ -127,6 +133,9 @@ __all__ = [
     "check_zero_states",
     "check_ddp_wire_bytes",
     "check_drill",
+    "check_merge_attention",
+    "check_moe_dispatch",
+    "check_all_to_all_splits",
     "CARDS",
     "grade",
     "MockRound",

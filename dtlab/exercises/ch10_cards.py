@@ -289,6 +289,70 @@ CARDS: dict[str, Card] = {
                 ),
             ),
         ),
+        Card(
+            "long_context",
+            "How do context parallelism and expert parallelism extend 3D "
+            "parallelism, and what does each send?",
+            (
+                P(
+                    "CP splits the sequence of every sample: activations ÷ cp",
+                    (r"(split|shard)s? (the|every|each) (sample's )?sequence",),
+                ),
+                P(
+                    "CP keeps the weights replicated (gradients over dp·cp)",
+                    (r"weights[^.;]*replicated", r"replicat\w* the weights"),
+                ),
+                P(
+                    "ring attention: K/V blocks round the ring, merged by log-sum-exp",
+                    (r"log-?sum-?exp", r"online softmax"),
+                ),
+                P(
+                    "Ulysses: all-to-all to a head shard; cp must divide the heads",
+                    (r"ulysses[^.]*head", r"head[^.]*ulysses"),
+                ),
+                P(
+                    "EP shards the experts; tokens travel by all-to-all",
+                    (r"experts?[^.]*all-?to-?all", r"all-?to-?all[^.]*experts?"),
+                ),
+                P(
+                    "capacity: dropped tokens; the hottest expert's rank is the "
+                    "straggler",
+                    (r"capacity", r"imbalanc", r"dropped"),
+                ),
+            ),
+            (
+                (
+                    r"cp (also )?(shards|splits) the (weights|parameters)",
+                    "context parallelism replicates the weights, as dp does: only "
+                    "the sequence (and its activations) is split",
+                ),
+            ),
+            (
+                Card(
+                    "long_context/gqa_across_nodes",
+                    "The model has 64 query heads and 8 K/V heads, and cp = 16 must "
+                    "span two nodes: ring attention or Ulysses?",
+                    (
+                        P(
+                            "Ulysses is bounded by the heads: 8 K/V heads < cp = 16",
+                            (r"k ?/ ?v heads", r"kv heads"),
+                        ),
+                        P(
+                            "GQA makes the ring's K/V blocks small",
+                            (r"small", r"16x? (fewer|less)", r"8x? (fewer|less)"),
+                        ),
+                        P(
+                            "the ring's sends overlap the block's compute",
+                            (r"overlap", r"hid(e|es|den) behind"),
+                        ),
+                        P(
+                            "the ring across nodes (Ulysses inside one: USP)",
+                            (r"ring[^.]*across", r"across[^.]*ring", r"\busp\b"),
+                        ),
+                    ),
+                ),
+            ),
+        ),
     )
 }
 

@@ -93,7 +93,7 @@ def check_ddp_wire_bytes(solution, cluster=None):
     reference=drill_answers,
     local=True,
     measures=(
-        "4 cards and 4 follow-ups: each answer scored on its rubric (≥ 75 % of the "
+        "5 cards and 5 follow-ups: each answer scored on its rubric (≥ 75 % of the "
         "points), no known misconception; the missing points named"
     ),
 )

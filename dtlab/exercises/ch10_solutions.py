@@ -69,4 +69,25 @@ def drill_answers():
             "Otherwise one rank skips while the others step and the replicas "
             "diverge, or, under ZeRO or TP, they call different collectives and hang."
         ),
+        "long_context": (
+            "Context parallelism splits the sequence of every sample over cp ranks, "
+            "so activations divide by cp, while the weights stay replicated as over "
+            "dp (their gradients are reduced over dp x cp). Attention reaches across: "
+            "ring attention passes K/V blocks round the ring and merges the partial "
+            "results with the online softmax (log-sum-exp), 3(cp - 1) blocks per "
+            "layer; Ulysses trades the sequence shard for a head shard by "
+            "all-to-all, so cp must divide the heads. Expert parallelism shards the "
+            "experts of each MoE layer; the tokens travel to their experts by an "
+            "all-to-all and come back by another. A capacity factor bounds each "
+            "expert's buffer: tokens beyond it are dropped, and the rank of the "
+            "hottest expert is the straggler (load imbalance)."
+        ),
+        "long_context/gqa_across_nodes": (
+            "Ulysses is bounded by the heads: with only 8 K/V heads, cp = 16 cannot "
+            "give each rank a head of its own. GQA makes the ring's K/V blocks small, "
+            "16x fewer bytes than the queries, and the ring's sends overlap the "
+            "block's attention compute once each rank holds a few thousand tokens. "
+            "So I would run the ring across nodes, or Ulysses inside a node and the "
+            "ring across them (USP)."
+        ),
     }

@@ -5,7 +5,9 @@ The prose lives in the text file, the numbers in
 :mod:`dtlab.lab.drill.measurements`; this module only joins them. ``cards.ini`` is
 an INI file (Python's :mod:`configparser`): a ``[sources]`` section naming the
 course's sources, a ``[source questions]`` section mapping each question they ask
-to its card, then one section per card.
+to its card, then one section per card. A card's optional ``rubric`` names the graded
+card of :data:`dtlab.exercises.ch10_cards.CARDS` whose rubric scores the answer
+typed into it (the facts and numbers a strong answer contains).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtlab.exercises.ch10_cards import all_cards
 from dtlab.lab.drill.measurements import MEASUREMENTS
 
 CARDS_FILE = Path(__file__).with_name("cards.ini")
@@ -36,13 +39,16 @@ class Card:
     """A practice question. ``answer`` has the four-question frame's keys
     (``replicated``, ``sharded``, ``synchronized``, ``cost``) and a ``summary``;
     ``measure(ctx)`` returns the card's
-    :class:`~dtlab.lab.drill.measurements.Measurement`."""
+    :class:`~dtlab.lab.drill.measurements.Measurement`; ``rubric`` is the key of
+    the graded card (:func:`dtlab.exercises.grade`) that scores an answer to it, or
+    ``None``."""
 
     key: str
     question: str
     sources: tuple[str, ...]
     answer: dict
     measure: Callable
+    rubric: str | None = None
 
 
 def _text(value: str) -> str:
@@ -74,6 +80,12 @@ def load_cards(path=CARDS_FILE) -> tuple[tuple[Card, ...], dict[str, str]]:
                 f"card {key!r} names unknown sources {unknown}: expected some of "
                 f"{list(sources)}"
             )
+        rubric = section.get("rubric", "").strip() or None
+        if rubric is not None and rubric not in all_cards():
+            raise ValueError(
+                f"card {key!r} names no graded card as its rubric: {rubric!r} (one "
+                f"of {sorted(all_cards())})"
+            )
         measure = section["measure"].strip()
         if measure not in MEASUREMENTS:
             raise ValueError(
@@ -87,6 +99,7 @@ def load_cards(path=CARDS_FILE) -> tuple[tuple[Card, ...], dict[str, str]]:
                 sources=tuple(sources[s] for s in section["sources"].split()),
                 answer={f: _text(section[f]) for f in _ANSWER},
                 measure=MEASUREMENTS[measure],
+                rubric=rubric,
             )
         )
     keys = {c.key for c in cards}

@@ -1,5 +1,7 @@
 """The drill as widgets: per card a question, a box for your answer, and a Reveal
-button that shows the model answer next to the number behind it (chapter 10).
+button that shows the model answer next to the number behind it (chapter 10). A card
+with a rubric grades the typed answer first (:func:`dtlab.exercises.grade`): the
+points it earned, the ones it misses, and any misconception with its correction.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ipywidgets import HTML, Button, Layout, Output, Textarea, VBox
 
+from dtlab.exercises.ch10_cards import Grade, grade
 from dtlab.lab.drill.cards import CARDS, FRAME, Card
 from dtlab.lab.drill.measurements import Context, Measurement
 
@@ -28,6 +31,26 @@ def answer_html(card: Card, m: Measurement) -> str:
     )
 
 
+def grade_html(card: Card, typed: str) -> str:
+    """What the rubric found in the typed answer ("" for a card without one)."""
+    if card.rubric is None:
+        return ""
+    if not typed.strip():
+        return (
+            "<p><i>Type an answer before you reveal, and the rubric grades it.</i></p>"
+        )
+    g = grade(card.rubric, typed)
+    mark = "✓" if g.passed else "✗"
+    rows = [f"<li>✓ {html.escape(e)}</li>" for e in g.earned]
+    rows += [f"<li>missing: {html.escape(m)}</li>" for m in g.missing]
+    rows += [f"<li>wrong: {html.escape(w)}</li>" for w in g.misconceptions]
+    return (
+        f"<p><b>Your answer {mark}</b> {len(g.earned)}/{len(g.earned) + len(g.missing)}"
+        f" points (pass: {g.pass_mark:.0%}, no misconception)</p><ul>{''.join(rows)}"
+        "</ul>"
+    )
+
+
 @dataclass
 class CardView:
     """One card's widgets, and its measurement once revealed."""
@@ -38,6 +61,7 @@ class CardView:
     answer: HTML
     button: Button
     measurement: Measurement | None = field(default=None)
+    grade: Grade | None = field(default=None)  # the typed answer's, at reveal
 
 
 class Drill:
@@ -88,7 +112,12 @@ class Drill:
             value = view.measurement.value
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"card {key!r} measured a non-number: {value!r}")
-        view.answer.value = answer_html(view.card, view.measurement)
+        typed = view.textarea.value
+        if view.card.rubric is not None and typed.strip():
+            view.grade = grade(view.card.rubric, typed)
+        view.answer.value = grade_html(view.card, typed) + answer_html(
+            view.card, view.measurement
+        )
         view.button.description = "Revealed"
         return view.measurement
 
@@ -99,3 +128,13 @@ class Drill:
     def answers(self) -> dict[str, str]:
         """What the learner typed, by card."""
         return {k: v.textarea.value for k, v in self.views.items()}
+
+    def grade(self, key: str, answer: str | None = None) -> Grade:
+        """Grade ``answer`` (default: what is typed in card ``key``) on the card's
+        rubric; ``ValueError`` for a card without one."""
+        card = self.views[key].card if key in self.views else None
+        if card is None or card.rubric is None:
+            graded = [k for k, v in self.views.items() if v.card.rubric]
+            raise ValueError(f"card {key!r} has no rubric: these do: {graded}")
+        typed = self.views[key].textarea.value if answer is None else answer
+        return grade(card.rubric, typed)

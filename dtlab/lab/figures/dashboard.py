@@ -48,6 +48,7 @@ from dtlab.events import MEMORY_CATEGORIES, Kind
 from dtlab.lab.figures.base import COMPUTE_SPANS, MEMORY_COLORS, SPAN_COLORS, add_trace
 from dtlab.lab.figures.data_parallel import loss_figure
 from dtlab.lab.figures.live import LiveFigure
+from dtlab.lab.figures.moe import add_routing, experts_figure
 from dtlab.lab.figures.throttle import Throttle
 from dtlab.lab.figures.traffic import (
     step_traffic_figure,
@@ -179,53 +180,6 @@ def _lanes(layout: Layout) -> list[str]:
             where += f" ep{layout.group_of('ep', r).index(r)}"
         out.append(f"rank {r} ({where})")
     return out
-
-
-def experts_figure(routing: Mapping[int, Mapping]) -> dict:
-    """Tokens each expert received on each rank (the newest ``moe`` event of every
-    rank, its layers added up) as grouped bars, a figure dict; the title counts the
-    dropped assignments (chapter 11: the router's balance, live)."""
-    ranks = sorted(routing)
-    n_experts = max((len(e["tokens_per_expert"]) for e in routing.values()), default=0)
-    traces = [
-        dict(
-            type="bar",
-            name=f"rank {r}",
-            x=[f"expert {i}" for i in range(n_experts)],
-            y=routing[r]["tokens_per_expert"],
-            hovertemplate="%{x}: %{y} tokens<extra>rank " + str(r) + "</extra>",
-        )
-        for r in ranks
-    ]
-    dropped = sum(e["dropped"] for e in routing.values())
-    layout = dict(
-        barmode="group",
-        title=dict(
-            text=f"Tokens per expert, newest step ({dropped} assignments dropped)"
-        ),
-        yaxis=dict(title=dict(text="tokens routed")),
-        height=320,
-        margin=dict(t=50, b=40, l=50, r=10),
-    )
-    return {"data": traces, "layout": layout}
-
-
-def _add_routing(into: dict, e: Mapping) -> None:
-    """Fold one ``moe`` event into ``into[rank]``: the newest forward's layers added
-    up (a newer step, or a layer seen again, starts the rank's counts afresh)."""
-    seen = into.get(e["rank"])
-    if seen is None or seen["step"] != e.get("step") or e["layer"] in seen["layers"]:
-        seen = into[e["rank"]] = {
-            "step": e.get("step"),
-            "layers": set(),
-            "tokens_per_expert": [0] * len(e["tokens_per_expert"]),
-            "dropped": 0,
-        }
-    seen["layers"].add(e["layer"])
-    seen["tokens_per_expert"] = [
-        a + b for a, b in zip(seen["tokens_per_expert"], e["tokens_per_expert"])
-    ]
-    seen["dropped"] += e["dropped"]
 
 
 # ---- the live dashboard ----------------------------------------------------------
@@ -360,7 +314,7 @@ class Dashboard:
         elif kind == Kind.SPAN and e.get("name") in COMPUTE_SPANS:
             self._spans.append(e)
         elif kind == Kind.MOE:
-            _add_routing(self._routing, e)
+            add_routing(self._routing, e)
         elif kind == Kind.COMM and e.get("wire_bytes"):
             traffic_by_step([e], into=self._traffic)
             while len(self._traffic) > self.traffic_steps:
