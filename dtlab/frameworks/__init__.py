@@ -36,7 +36,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-__all__ = ["require", "missing"]
+__all__ = ["require", "missing", "deepspeed_on_gloo"]
 
 EXTRA = "frameworks"  # the pyproject extra that installs deepspeed and accelerate
 
@@ -59,3 +59,19 @@ def require(package: str):
     if reason is not None:
         raise ImportError(reason)
     return importlib.import_module(package)
+
+
+def deepspeed_on_gloo():
+    """Import DeepSpeed for a CPU world on gloo, without its shared-memory
+    all-reduce: the first ``deepspeed.init_distributed`` on a CPU compiles that C++
+    op (``ShareMemCommBuilder``) with ninja, 30-60 s in a fresh environment, and
+    only DeepSpeed's *inference* all-reduce uses it. dtlab's comparisons train, and
+    every collective must go through torch.distributed (gloo), where dtlab counts
+    the bytes; so the op is marked incompatible before the backend is made."""
+    deepspeed = require("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+    return deepspeed

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from dtlab import estimate
-from dtlab.frameworks import require
+from dtlab.frameworks import deepspeed_on_gloo, require
 from dtlab.frameworks.job import (
     build_data,
     build_model,
@@ -88,7 +88,7 @@ def init_distributed():
     ``deepspeed.init_distributed`` wants the launcher's variables even then (it
     goes looking for MPI without them), so they are set from the world itself;
     nothing connects to ``MASTER_PORT``, the world exists already."""
-    deepspeed = require("deepspeed")
+    deepspeed = deepspeed_on_gloo()
     rank, n = world()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(n))

@@ -41,7 +41,7 @@ import torch
 
 from dtlab import amp
 from dtlab.events import zero_stage
-from dtlab.frameworks import require
+from dtlab.frameworks import deepspeed_on_gloo, require
 
 __all__ = [
     "MIXED_PRECISION",
@@ -130,7 +130,7 @@ def check_deepspeed(ds: dict) -> dict:
     engines), after ``deepspeed.init_distributed``."""
     import torch.distributed as dist
 
-    deepspeed = require("deepspeed")
+    deepspeed = deepspeed_on_gloo()
     from deepspeed.runtime.config import DeepSpeedConfig
 
     n = ds["train_batch_size"] // (
