@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     out["rank"], _ = world()
     out["pid"], out["ppid"] = os.getpid(), os.getppid()
     write_rank_record(args.out, out)
+    torch.distributed.barrier()  # no rank tears its sockets down under a peer's op
     torch.distributed.destroy_process_group()
     return 0
 
@@ -187,4 +188,10 @@ def launch(config, nproc: int = 2, *, timeout: float = 120) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # the record is written and the world destroyed; leave without the interpreter's
+    # teardown, where a C++ thread left behind by accelerate's state aborted one rank
+    # in one run of many ("terminate called without an active exception", -6)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
