@@ -25,6 +25,7 @@ import urllib.request
 import psutil
 import pytest
 
+from dtlab.lab.processes import tree
 from dtlab.launch import spawn
 
 LOOPBACK = ("127.0.0.1", "::1")
@@ -34,15 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _listening(pids) -> list[tuple[int, str, int]]:
     """(pid, address, port) of every TCP/UDP socket in LISTEN state (TCP) or bound
     without a peer (UDP) of ``pids`` and their children."""
-    procs = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            procs += [p, *p.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
     out = []
-    for p in procs:
+    for p in tree(pids):
         try:
             conns = p.net_connections(kind="inet")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
