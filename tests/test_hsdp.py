@@ -33,6 +33,7 @@ from dtlab import bench, estimate
 from dtlab.model import GPT, GPTConfig, SyntheticTokens
 from dtlab.reference import train_reference
 from dtlab.topology import Layout
+from tests.models import FROZEN, branchy_model
 
 pytestmark = pytest.mark.cluster
 
@@ -360,42 +361,6 @@ EXACT_OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)),
     "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
 }
-FROZEN = ("blocks.0.frozen.weight", "blocks.0.frozen.bias")
-FROZEN += ("blocks.1.frozen.weight", "blocks.1.frozen.bias")
-
-
-def _forked():
-    """Two blocks (units) and a head; in each block a frozen layer between two
-    trained ones, across the boundary of the 2 shards' slices (block: 195 elements,
-    slices of 98), and a side branch used on even steps only."""
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(6, 7)
-            self.frozen = nn.Linear(7, 7).requires_grad_(False)
-            self.b = nn.Linear(7, 6)
-            self.side = nn.Linear(6, 6)
-
-        def forward(self, x, even):  # (B, 6) -> (B, 6)
-            h = self.b(torch.tanh(self.frozen(torch.tanh(self.a(x)))))
-            return x + h + self.side(x) if even else x + h
-
-    class Forked(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([Block(), Block()])
-            self.head = nn.Linear(6, 3)
-
-        def forward(self, x, step):  # (B, 6) -> (B, 3)
-            for block in self.blocks:
-                x = block(x, step % 2 == 0)
-            return self.head(x)
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return Forked()
 
 
 def _forked_loss(model, step, r):
@@ -419,7 +384,7 @@ def _forked_runs(opt_name):
     out = {}
     for stage in (0, 1, 2, 3):
         model = FullyShardedDataParallel(
-            _forked(), None, shard, stage=stage, replicate_group=rep
+            branchy_model(), None, shard, stage=stage, replicate_group=rep
         )
         opt = cls(model.parameters(), **options)
         shown = None
@@ -446,7 +411,7 @@ def _forked_runs(opt_name):
 
 @pytest.mark.parametrize("opt_name", list(EXACT_OPTIMIZERS))
 def test_frozen_and_unused_parameters_never_move_nor_age(cluster, opt_name):
-    model = _forked()
+    model = branchy_model()
     initial = {k: p.detach().clone() for k, p in model.named_parameters()}
     cls, options = EXACT_OPTIMIZERS[opt_name]
     opt = cls(model.parameters(), **options)

@@ -17,6 +17,7 @@ import torch
 
 from dtlab.model import GPT, MLP, CausalSelfAttention, GPTConfig, SyntheticTokens
 from dtlab.reference import train_reference
+from tests.models import FROZEN, branchy_model
 
 pytestmark = pytest.mark.cluster
 
@@ -466,43 +467,6 @@ EXACT_OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)),
     "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
 }
-FROZEN = ("blocks.0.frozen.weight", "blocks.0.frozen.bias")
-FROZEN += ("blocks.1.frozen.weight", "blocks.1.frozen.bias")
-
-
-def _branchy():
-    """Two blocks (ZeRO units) and a head. In each block a frozen layer sits between
-    two trained ones, cut by the boundary between the 2 ranks' slices (block: 195
-    elements, slices of 98), and a side branch runs on even steps only. Built inside
-    a function so that the engines get the classes with it."""
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(6, 7)
-            self.frozen = nn.Linear(7, 7).requires_grad_(False)
-            self.b = nn.Linear(7, 6)
-            self.side = nn.Linear(6, 6)
-
-        def forward(self, x, even):  # (B, 6) -> (B, 6)
-            h = self.b(torch.tanh(self.frozen(torch.tanh(self.a(x)))))
-            return x + h + self.side(x) if even else x + h
-
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([Block(), Block()])
-            self.head = nn.Linear(6, 3)
-
-        def forward(self, x, step):  # (B, 6) -> (B, 3)
-            for block in self.blocks:
-                x = block(x, step % 2 == 0)
-            return self.head(x)
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return Branchy()
 
 
 def _branchy_loss(model, step, rank, n, dtype=torch.float32):
@@ -515,7 +479,7 @@ def _branchy_loss(model, step, rank, n, dtype=torch.float32):
 def _same_order_reference(opt_name, n=2):
     """One process adding the 2 ranks' halved gradients (``None`` where neither has
     one), then a plain torch optimizer step. Also the averaged gradients of step 0."""
-    model = _branchy()
+    model = branchy_model()
     cls, options = EXACT_OPTIMIZERS[opt_name]
     opt = cls(model.parameters(), **options)
     first_grads = None
@@ -553,7 +517,7 @@ def _frozen_and_unused(opt_name):
     runs |= {f"offload{s}": dict(stage=s, offload=True) for s in (0, 1, 2, 3)}
     out = {}
     for name, kw in runs.items():
-        model = FullyShardedDataParallel(_branchy(), None, g, **kw)
+        model = FullyShardedDataParallel(branchy_model(), None, g, **kw)
         opt = cls(model.parameters(), **options)
         for step in range(EXACT_STEPS):
             _branchy_loss(model, step, r, 2).backward()
@@ -563,7 +527,7 @@ def _frozen_and_unused(opt_name):
             "params": model.gather_full_params(),
             "state": gather_full_optimizer_state(model, opt),
         }
-    net = _branchy()
+    net = branchy_model()
     ddp = DistributedDataParallel(net, process_group=g, find_unused_parameters=True)
     opt = ShardedOptimizer(net.parameters(), cls, process_group=g, **options)
     for step in range(EXACT_STEPS):
@@ -589,7 +553,7 @@ def _module_gradients(compute_dtype=None):
     r = torch.distributed.get_rank()
     out = {}
     for stage in (0, 1, 2, 3):
-        model = FullyShardedDataParallel(_branchy(), compute_dtype, g, stage=stage)
+        model = FullyShardedDataParallel(branchy_model(), compute_dtype, g, stage=stage)
         _branchy_loss(model, 0, r, 2, compute_dtype or torch.float32).backward()
         model.finish_gradient_synchronization()  # (idempotent: backward ran it)
         counted = {t.untyped_storage().data_ptr() for _, t in model.memory_tensors()}
@@ -624,7 +588,7 @@ def test_frozen_and_unused_parameters_never_move_nor_age(cluster):
     # Before dtlab.zero stepped per-parameter pieces, a frozen weight sharing a flat
     # shard with trained ones got a zero gradient, and weight decay moved it (2.0 ->
     # 1.8088 in 10 AdamW steps at lr 0.1, wd 0.1); an unused one aged Adam's step.
-    initial = {k: p.detach().clone() for k, p in _branchy().named_parameters()}
+    initial = {k: p.detach().clone() for k, p in branchy_model().named_parameters()}
     for opt_name in EXACT_OPTIMIZERS:
         ref_params, ref_state, _ = _same_order_reference(opt_name)
         runs = cluster.run(_frozen_and_unused, opt_name, timeout=120)[0]
@@ -658,7 +622,7 @@ def _reshard_branchy(path):
     from dtlab.zero import FullyShardedDataParallel
 
     cls, options = EXACT_OPTIMIZERS["adamw"]
-    model = FullyShardedDataParallel(_branchy(), None, dist.group.WORLD, stage=3)
+    model = FullyShardedDataParallel(branchy_model(), None, dist.group.WORLD, stage=3)
     opt = cls(model.parameters(), **options)
     for step in range(3):
         _branchy_loss(model, step, dist.get_rank(), 4).backward()
@@ -669,7 +633,7 @@ def _reshard_branchy(path):
     g2 = _group(2)
     if g2 is None:
         return None
-    model = FullyShardedDataParallel(_branchy(), None, g2, stage=1)
+    model = FullyShardedDataParallel(branchy_model(), None, g2, stage=1)
     opt = cls(model.parameters(), **options)
     load_sharded(path, model, opt)
     return saved, (model.gather_full_params(), gather_full_optimizer_state(model, opt))
@@ -692,7 +656,7 @@ def test_a_checkpoint_keeps_which_parameters_have_optimizer_state(cluster, tmp_p
 def test_the_module_shows_its_local_shards_and_their_gradients(cluster, compute_dtype):
     per_rank = cluster.run(_module_gradients, compute_dtype, timeout=120)[:2]
     _, _, averaged = _same_order_reference("sgd")  # step 0's averaged gradients
-    initial = dict(_branchy().named_parameters())
+    initial = dict(branchy_model().named_parameters())
     for stage in (0, 1, 2, 3):
         for rank, runs in enumerate(per_rank):
             run = runs[stage]
