@@ -9,23 +9,73 @@
    environment; after each notebook and at the end, every such process that is
    not pytest itself is killed.
 
+3. A chapter's claims belong to the suite, not to the learner's page: every
+   assertion the tests need about a chapter's live numbers lives in
+   ``tests/claims/chNN.py`` and runs in the chapter's own kernel, as one more cell
+   inserted just before the chapter's last code cell (the one that stops its
+   cluster), so it reads every variable the chapter made while its engines are
+   still up. The page keeps only the few checks a learner wants to read.
+4. No chapter writes into the learner's home: ``DTLAB_HOME`` (where the
+   prediction log lives) points into a temporary folder for the session.
+
 Use: ``pytest --nbval-lax -p tests.nbval_guard notebooks``.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
+import tempfile
 import uuid
+from collections import defaultdict
 
+import nbformat
 import psutil
 import pytest
 
 TAG = "DTLAB_TEST_SESSION"
+CLAIMS = pathlib.Path(__file__).resolve().parent / "claims"
 
 
 def pytest_configure(config):
     # inherited by kernels, controllers and engines (a caller may choose the tag)
     os.environ.setdefault(TAG, uuid.uuid4().hex)
+    if "DTLAB_HOME" not in os.environ:
+        os.environ["DTLAB_HOME"] = tempfile.mkdtemp(prefix="dtlab-home-")
+
+
+def claims_file(notebook: pathlib.Path) -> pathlib.Path:
+    """``tests/claims/ch03.py`` for ``notebooks/03_zero.ipynb``."""
+    return CLAIMS / f"ch{notebook.name[:2]}.py"
+
+
+def claims_source(path: pathlib.Path) -> str:
+    """The cell that runs a claims file in the chapter's kernel: compiled under its
+    own path, so a failing assertion's traceback names the file and line."""
+    return (
+        f"exec(compile(open({str(path)!r}).read(), {str(path)!r}, 'exec'))"
+        "  # tests/claims: the suite's checks, run in the chapter's kernel"
+    )
+
+
+def _insert_claims(items):
+    """Put each chapter's claims cell just before its last code cell."""
+    from nbval.plugin import IPyNbCell
+
+    last = {}
+    for i, item in enumerate(items):
+        if isinstance(item, IPyNbCell):
+            last[item.parent] = i
+    for parent, i in sorted(last.items(), key=lambda kv: -kv[1]):
+        path = claims_file(pathlib.Path(str(parent.fspath)))
+        if not path.exists():
+            continue
+        cell = nbformat.v4.new_code_cell(claims_source(path))
+        options = defaultdict(bool, check=False)
+        claim = IPyNbCell.from_parent(
+            parent, name=f"claims {path.name}", cell_num=-1, cell=cell, options=options
+        )
+        items.insert(i, claim)
 
 
 def tagged_processes(tag: str | None = None) -> list[psutil.Process]:
@@ -79,6 +129,7 @@ def pytest_runtest_call(item):
 
 
 def pytest_collection_modifyitems(items):
+    _insert_claims(items)
     # remember the last cell of each notebook, to reap right after it
     last = {}
     for item in items:

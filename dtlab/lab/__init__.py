@@ -29,13 +29,25 @@ process a function runs in is told by where it lives:
   - :mod:`~dtlab.lab.figures`: every chapter's figures, the dashboard, live figures;
   - :mod:`~dtlab.lab.widgets` (the control panel), :mod:`~dtlab.lab.planner` (the
     planner panel), :mod:`~dtlab.lab.drill` (the interview drill);
+  - :mod:`~dtlab.lab.predictions`: the learner's predictions (``predict``,
+    ``compare``, ``prediction_log``), kept on disk across the course;
   - :mod:`~dtlab.lab.snapshot`: the README picture, ``python -m dtlab.lab.snapshot``.
 """
 
 from dtlab.lab.cluster import LabCluster
 from dtlab.lab.failures import EngineDied
 from dtlab.lab.notebook import start
+from dtlab.lab.predictions import compare, predict, prediction_log
 from dtlab.lab.teardown import stop_all
 from dtlab.launch import RankError
 
-__all__ = ["EngineDied", "LabCluster", "RankError", "start", "stop_all"]
+__all__ = [
+    "EngineDied",
+    "LabCluster",
+    "RankError",
+    "compare",
+    "predict",
+    "prediction_log",
+    "start",
+    "stop_all",
+]
