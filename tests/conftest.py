@@ -1,4 +1,5 @@
-"""Shared test set-up: one torch thread, and no cluster left behind."""
+"""Shared test set-up: one torch thread, and no cluster left behind; the machine's
+capabilities in the run's header (dtlab.capabilities)."""
 
 import os
 
@@ -7,6 +8,15 @@ import torch
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 torch.set_num_threads(1)
+
+
+def pytest_report_header(config):
+    from dtlab.capabilities import LACKS_ENV, report
+
+    told = os.environ.get(LACKS_ENV)
+    lines = [f"{LACKS_ENV}={told} (the probes answer as if these were missing)"]
+    lines = lines if told else []
+    return lines + [f"capability {k}: {v}" for k, v in report().items()]
 
 
 @pytest.fixture(scope="session", autouse=True)

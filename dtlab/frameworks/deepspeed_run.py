@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from dtlab import estimate
+from dtlab.capabilities import lacking
 from dtlab.frameworks import deepspeed_on_gloo, require
 from dtlab.frameworks.job import (
     build_data,
@@ -140,6 +141,10 @@ def train_deepspeed(config, ds_config: dict | None = None) -> dict:
 def _train(deepspeed, config, ds_config: dict | None) -> dict:
     _, n = world()
     ds = ds_config or deepspeed_config(config, n)
+    for dtype in ("fp16", "bf16"):  # DeepSpeed's refusal, also when told to lack it
+        reason = ds.get(dtype, {}).get("enabled") and lacking(f"deepspeed_{dtype}")
+        if reason:
+            raise ValueError(reason)
     model = build_model(config)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds
