@@ -1,24 +1,35 @@
-"""Chapter 00's lesson helpers: the memory calculator and the "how many GPUs until it
-fits" table (``notebooks/00_why_distribute.ipynb``).
+"""Chapter 00's lesson helpers: the chapter's figures, the memory calculator and the
+"how many GPUs until it fits" table (``notebooks/00_why_distribute.ipynb``).
 
-:class:`MemoryCalculator` is the chapter's widget: a model, a precision policy, an
-optimizer, a number of data-parallel GPUs, a GPU type, a micro-batch and a
-recomputation mode in; one stacked bar per ZeRO stage out, priced by
-:func:`dtlab.estimate.memory_per_device`, with the GPU's memory as a dashed line. Its
-controls are attributes, so a cell can move them the way a learner would and read
-back what the figure shows.
+:func:`bill_figure` draws what one device would hold to train each model alone,
+:func:`activation_figure` the activation bytes against the sequence length under
+each recomputation mode. :class:`MemoryCalculator` is the chapter's widget: a model,
+a precision policy, an optimizer, a number of data-parallel GPUs, a GPU type, a
+microbatch and a recomputation mode in; one stacked bar per ZeRO stage out, priced
+by :func:`dtlab.estimate.memory_per_device`, with the GPU's memory as a dashed line.
+Its controls are attributes, so the chapter's claims (``tests/claims/ch00.py``) can
+move them the way a learner would and read back what the figure shows.
 """
 
 from __future__ import annotations
 
 import ipywidgets as W
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from dtlab import estimate as est
 from dtlab.estimate import GB
 from dtlab.exercises.ch00_memory import fitting_gpus
 
-__all__ = ["CATEGORIES", "COLORS", "STAGES", "MemoryCalculator", "fit_table"]
+__all__ = [
+    "CATEGORIES",
+    "COLORS",
+    "STAGES",
+    "MemoryCalculator",
+    "activation_figure",
+    "bill_figure",
+    "fit_table",
+]
 
 CATEGORIES = ["params", "grads", "optimizer", "activations"]
 COLORS = {
@@ -28,6 +39,58 @@ COLORS = {
     "activations": "#b279a2",
 }
 STAGES = [0, 1, 2, 3]
+
+
+def bill_figure(bill: dict, models, gpu: str = "H100-80GB") -> go.Figure:
+    """One panel per model: the bytes one device holds to train it alone under each
+    precision policy (``bill[model, precision]`` from
+    :func:`dtlab.estimate.memory_per_device`), stacked by kind, with ``gpu``'s
+    memory as a dashed line."""
+    fig = make_subplots(
+        rows=1, cols=len(models), subplot_titles=[est.MODELS[k].name for k in models]
+    )
+    for col, key in enumerate(models, start=1):
+        for cat in CATEGORIES:
+            fig.add_bar(
+                x=list(est.PRECISIONS),
+                y=[bill[key, p][cat] / GB for p in est.PRECISIONS],
+                name=cat,
+                marker_color=COLORS[cat],
+                legendgroup=cat,
+                showlegend=col == 1,
+                row=1,
+                col=col,
+            )
+        fig.add_hline(
+            y=est.GPUS[gpu].memory_bytes / GB, line_dash="dash", row=1, col=col
+        )
+    fig.update_layout(
+        barmode="stack",
+        height=420,
+        yaxis_title="GB on one device (1 GB = 1e9 B)",
+        title="Training memory on a single device, Adam, microbatch 1",
+    )
+    return fig
+
+
+def activation_figure(seq_lens, acts: dict, model: str = "7B") -> go.Figure:
+    """Activation GB against the sequence length (log-log), one line per
+    recomputation mode (``acts[mode]``: one value per entry of ``seq_lens``)."""
+    fig = go.Figure(
+        [
+            go.Scatter(x=seq_lens, y=ys, name=f"recompute={mode}", mode="lines+markers")
+            for mode, ys in acts.items()
+        ]
+    )
+    fig.update_layout(
+        xaxis_type="log",
+        yaxis_type="log",
+        height=380,
+        xaxis_title="sequence length s",
+        yaxis_title=f"activation GB ({model}, b = 1)",
+        title="Korthikanti et al. 2022: s·b·h·(34 + 5·a·s/h) per layer",
+    )
+    return fig
 
 
 def custom_preset(n_layers: int, d_model: int) -> est.ModelPreset:
@@ -79,9 +142,7 @@ class MemoryCalculator:
             style={"button_width": "40px"},
         )
         self.gpu = W.Dropdown(options=list(est.GPUS), value=gpu, description="GPU")
-        self.micro_batch = W.IntSlider(
-            value=1, min=1, max=16, description="micro-batch"
-        )
+        self.micro_batch = W.IntSlider(value=1, min=1, max=16, description="microbatch")
         self.recompute = W.Dropdown(
             options=["none", "selective", "full"],
             value="selective",
