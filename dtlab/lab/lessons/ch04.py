@@ -1,7 +1,8 @@
-"""Chapter 04's lesson helpers (``notebooks/04_tensor_parallel.ipynb``): the visible
-checks every chapter prints, and the explorer of section 4, which runs one training
-step of the tensor-parallel GPT for the tp degree and sequence-parallel switch a
-learner picks and counts every layer's collectives against ``dtlab.estimate``.
+"""Chapter 04's lesson helpers (``notebooks/04_tensor_parallel.ipynb``): the
+questions the chapter asks the learner to predict, the visible checks every chapter
+prints, and the explorer of section 4, which runs one training step of the
+tensor-parallel GPT for the tp degree and sequence-parallel switch a learner picks
+and counts every layer's collectives against ``dtlab.estimate``.
 
 Runs in the notebook's kernel; the step itself (``step_fn``) is the chapter's own
 function, shipped to the engines by the cluster.
@@ -16,8 +17,33 @@ import plotly.graph_objects as go
 
 from dtlab import estimate
 from dtlab.lab.figures.tensor_parallel import tp_layer_comm, tp_layer_comm_figure
+from dtlab.lab.predictions import Question
 
-__all__ = ["confirm", "TPStepExplorer"]
+__all__ = ["QUESTIONS", "confirm", "TPStepExplorer"]
+
+QUESTIONS = [
+    Question(
+        "tp_layer_bytes",
+        "04",
+        "bytes rank 0 sends for one transformer layer in one training step at tp=2 "
+        "(b=4, s=32, h=64, fp32 activations, plain TP)",
+        "kB",
+    ),
+    Question(
+        "tp_sp_activation_shrink",
+        "04",
+        "how many times fewer bytes one layer saves for backward on a rank at tp=4 "
+        "with sequence parallelism than in one process (tp=1)",
+        "x",
+    ),
+    Question(
+        "tp4_param_share",
+        "04",
+        "the share of the unsplit model's parameter bytes one rank holds at tp=4 "
+        "(the chapter's 2-layer GPT, vocabulary 50, h=64)",
+        "fraction",
+    ),
+]
 
 
 def confirm(ok, claim: str, detail: str = "") -> None:
@@ -30,17 +56,28 @@ def confirm(ok, claim: str, detail: str = "") -> None:
 
 
 class TPStepExplorer:
-    """Controls for tp (1, 2, 4) and sequence parallelism; every change runs
+    """Controls for tp (1, 2, 4) and sequence parallelism, starting at ``tp`` and
+    ``sp``; every change runs
     ``step_fn(config, tp, sp, batch)`` on every rank with telemetry on, redraws the
     per-layer collective counts of rank 0 (◆: ``estimate.tp_collectives_per_layer``)
     and reports the bytes per layer against ``estimate.tp_bytes_per_layer`` and the
     loss against ``single_loss``. ``step_fn`` returns ``{"loss", "param_bytes"}``."""
 
-    def __init__(self, cluster, step_fn, config, batch: int, single_loss: float):
+    def __init__(
+        self,
+        cluster,
+        step_fn,
+        config,
+        batch: int,
+        single_loss: float,
+        *,
+        tp: int = 4,
+        sp: bool = False,
+    ):
         self.cluster, self.step_fn = cluster, step_fn
         self.config, self.batch, self.single_loss = config, batch, single_loss
-        self.tp = W.ToggleButtons(options=[1, 2, 4], value=4, description="tp")
-        self.sp = W.Checkbox(value=False, description="sequence parallelism")
+        self.tp = W.ToggleButtons(options=[1, 2, 4], value=tp, description="tp")
+        self.sp = W.Checkbox(value=sp, description="sequence parallelism")
         self.status = W.HTML()
         self.errors = W.Output()
         self.figure = go.FigureWidget(tp_layer_comm_figure([]))  # redrawn in place
@@ -104,7 +141,8 @@ class TPStepExplorer:
 
     def verify(self, tp: int, sp: bool) -> None:
         """Move the controls as a learner would, then check what came back: the
-        collectives of every layer and pass, their bytes, and the loss."""
+        collectives of every layer and pass, their bytes, and the loss. The suite
+        drives it (``tests/claims/ch04.py``), never the learner's page."""
         self._quiet = True  # both controls move, the step runs once
         try:
             self.tp.value, self.sp.value = tp, sp

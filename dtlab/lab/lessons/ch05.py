@@ -1,8 +1,10 @@
 """Chapter 05's lesson helpers (``notebooks/05_pipeline_parallel.ipynb``): the
-explorer of section 5, which runs the schedule a learner picks on the engines and
-draws the measured step under the simulated ideal, with the bubble and the
-microbatches each stage held; and the check that the executor ran exactly what the
-schedule says.
+questions the chapter asks the learner to predict; :func:`idle_by_stage`, which
+splits each stage's idle time of a timeline into before its first compute, between
+computes and after its last; and the explorer of section 6, which runs the schedule
+a learner picks on the engines and draws the measured step under the simulated
+ideal, with the bubble and the microbatches each stage held, and checks that the
+executor ran exactly what the schedule says.
 
 Runs in the notebook's kernel; the pipeline run itself (``run_fn``) is the chapter's
 own function, shipped to the engines by the cluster.
@@ -18,9 +20,55 @@ from dtlab import estimate, pipeline
 from dtlab.events import schedule_name
 from dtlab.lab.figures.pipeline import pipeline_ideal_vs_measured
 from dtlab.lab.lessons.checks import confirm
+from dtlab.lab.predictions import Question
 from dtlab.topology import Layout
 
-__all__ = ["PipelineExplorer", "per_microbatch"]
+__all__ = ["QUESTIONS", "PipelineExplorer", "idle_by_stage", "per_microbatch"]
+
+QUESTIONS = [
+    Question(
+        "pp_bubble_1f1b",
+        "05",
+        "the share of a 1F1B step each stage spends idle at p=4, m=8 (the bubble), "
+        "measured on the four engines",
+        "fraction",
+    ),
+    Question(
+        "pp_1f1b_activation_share",
+        "05",
+        "stage 0's peak activation bytes under 1F1B as a share of GPipe's "
+        "(p=4, m=8, the same microbatches)",
+        "fraction",
+    ),
+]
+
+
+def idle_by_stage(spans) -> list[dict]:
+    """Each stage's idle time in a timeline (``pipeline.simulate``'s or a measured
+    one), in three parts: ``before`` its first compute, ``between`` computes and
+    ``after`` its last, until the step ends (the last compute on any stage);
+    ``total`` is their sum."""
+    computes = [e for e in spans if e["name"] in ("F", "B", "W")]
+    end = max(e["t_end"] for e in computes)
+    start = min(e["t_start"] for e in computes)
+    rows = []
+    for stage in sorted({e["stage"] for e in computes}):
+        mine = sorted(
+            (e for e in computes if e["stage"] == stage), key=lambda e: e["t_start"]
+        )
+        before = mine[0]["t_start"] - start
+        between = sum(b["t_start"] - a["t_end"] for a, b in zip(mine, mine[1:]))
+        after = end - mine[-1]["t_end"]
+        rows.append(
+            dict(
+                stage=stage,
+                before=before,
+                between=between,
+                after=after,
+                total=before + between + after,
+            )
+        )
+    return rows
 
 
 def per_microbatch(spans, name: str, v: int) -> float:
@@ -72,10 +120,19 @@ class PipelineExplorer:
             self.run()
 
     def run(self) -> dict:
-        """One recorded run at the controls' setting; returns :attr:`last` (empty
-        when the setting cannot run: the status says why)."""
+        """One recorded run at the controls' setting, drawn under them; returns
+        :attr:`last` (empty when the setting cannot run: the status says why)."""
         p, m, name = self.p.value, self.m.value, self.schedule.value
-        v = self.v.value if name == "interleaved" else 1
+        self.measure(p, m, name, self.v.value)
+        if self.last:
+            self._draw()
+        return self.last
+
+    def measure(self, p: int, m: int, name: str, v: int = 1) -> dict:
+        """One recorded run of schedule ``name`` at p, m (and v chunks when
+        interleaved), without touching the controls or the figure; returns
+        :attr:`last`, with the ideal and measured bubble and each stage's peak."""
+        v = v if name == "interleaved" else 1
         self.last = {}
         try:
             schedule = pipeline.make_schedule(name, p, m, v)
@@ -102,6 +159,10 @@ class PipelineExplorer:
         bound = [max(t) for t in pipeline.in_flight(schedule)]
         dp = 4 // p  # the first replica's stages are ranks 0, dp, 2·dp, ...
         peaks = [res["stats"]["peak_in_flight"] for res in results[: p * dp : dp]]
+        if schedule_name(name) == "zb_h1":  # (p−1)(t_f + t_B − t_W)
+            formula = (p - 1) * (t_f + t_b - 2 * t_w) / max(e["t_end"] for e in ideal)
+        else:
+            formula = estimate.pipeline_bubble_fraction(p, m, v)
         self.last = dict(
             p=p,
             m=m,
@@ -109,14 +170,21 @@ class PipelineExplorer:
             name=name,
             schedule=schedule,
             measured=measured,
+            ideal=ideal,
+            t_f=t_f,
+            t_b=t_b,
             bound=bound,
             peaks=peaks,
             bubble=(b_ideal, b_meas),
+            formula=formula,
         )
-        if schedule_name(name) == "zb_h1":  # (p−1)(t_f + t_B − t_W)
-            formula = (p - 1) * (t_f + t_b - 2 * t_w) / max(e["t_end"] for e in ideal)
-        else:
-            formula = estimate.pipeline_bubble_fraction(p, m, v)
+        return self.last
+
+    def _draw(self) -> None:
+        last = self.last
+        p, m, v, name = last["p"], last["m"], last["v"], last["name"]
+        t_f, t_b, formula = last["t_f"], last["t_b"], last["formula"]
+        (b_ideal, b_meas), peaks, bound = last["bubble"], last["peaks"], last["bound"]
         self.status.value = (
             f"{name}, p={p}, m={m}, v={v}: bubble measured <b>{b_meas:.0%}</b>, "
             f"ideal with measured t_f={t_f * 1e3:.1f} ms, t_b={t_b * 1e3:.1f} ms "
@@ -127,17 +195,17 @@ class PipelineExplorer:
         self.view.clear_output(wait=True)
         with self.view:
             pipeline_ideal_vs_measured(
-                ideal,
-                measured,
+                last["ideal"],
+                last["measured"],
                 bubbles=(b_ideal, b_meas),
                 title=f"{name}, p={p}, m={m}, v={v}",
             ).show()
-        return self.last
 
     def verify(self, p: int, m: int, name: str, v: int = 1) -> None:
         """Move the controls, run once, and check that every stage ran every F, B
         (and W) of the schedule in the schedule's order, holding exactly as many
-        microbatches as the schedule says."""
+        microbatches as the schedule says. The suite drives it
+        (``tests/claims/ch05.py``), never the learner's page."""
         self._quiet = True
         try:
             self.v.value, self.p.value, self.m.value = v, p, m
@@ -147,6 +215,13 @@ class PipelineExplorer:
         last = self.run()
         if self.failures or not last:
             raise AssertionError(f"✗ {name} p={p} m={m} did not run: {self.failures}")
+        self.check(last)
+
+    def check(self, last: dict) -> None:
+        """Check one run (what :meth:`measure` returned): every stage ran every F,
+        B (and W) of the schedule in its order, and held exactly as many
+        microbatches as the schedule says."""
+        p, m, name = last["p"], last["m"], last["name"]
         where = f"{name:<11} p={p} m={m:>2}"
         confirm(
             last["peaks"] == last["bound"],
