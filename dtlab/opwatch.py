@@ -6,7 +6,11 @@ before it blocks and after it returns; :func:`watch` mirrors each change to a
 callback (the lab writes it where the notebook can read it while the rank is stuck;
 the exercises read the launches and waits). A watcher receives ``(entry, active)``
 with ``entry = (op, numel, dtype, axis, tag, t_wall)``; an async op's ``wait()``
-marks its entry active a second time, then inactive.
+marks its entry active a second time, then inactive. A watcher of futures
+(:func:`watch_futures`) receives ``(entry, future)`` each time code asks an async
+op's handle for its future (``handle.get_future()``), so a wait through the future
+(``wait()``, ``value()``, ``then``, ``torch.futures.wait_all``) can be told apart
+from no wait at all.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ __all__ = [
     "forget_ops",
     "watch",
     "unwatch",
+    "note_future",
+    "watch_futures",
+    "unwatch_futures",
 ]
 
 # A rank that hangs or fails is reported with the collective it was in. Each call
@@ -32,6 +39,7 @@ __all__ = [
 _NOW: list = [None]  # (op, numel, dtype, axis, tag, t_wall) or None
 _LAST: list = [None]
 _WATCHERS: list = []
+_FUTURE_WATCHERS: list = []
 
 
 def enter(entry) -> None:
@@ -88,3 +96,21 @@ def watch(fn) -> None:
 def unwatch(fn) -> None:
     if fn in _WATCHERS:
         _WATCHERS.remove(fn)
+
+
+def note_future(entry, future) -> None:
+    """``future`` is the future of the async op ``entry`` (dtlab.comm calls this
+    from a handle's ``get_future()``)."""
+    for w in _FUTURE_WATCHERS:
+        w(entry, future)
+
+
+def watch_futures(fn) -> None:
+    """``fn(entry, future)`` whenever an async op's future is handed out."""
+    if fn not in _FUTURE_WATCHERS:
+        _FUTURE_WATCHERS.append(fn)
+
+
+def unwatch_futures(fn) -> None:
+    if fn in _FUTURE_WATCHERS:
+        _FUTURE_WATCHERS.remove(fn)

@@ -9,7 +9,10 @@ runs the learner's function, and afterwards ``seen`` holds:
   t_start, t_end, tag}``), on the wall clock (``time.time()``);
 - ``seen.launches``: every dtlab.comm call in launch order (``{op, numel, bytes,
   tag, axis, async, t_launch, t_waited}``: whether it was asynchronous, and when
-  its handle was waited, ``None`` for never), from :func:`dtlab.comm.watch`. An
+  it was waited, ``None`` for never), from :func:`dtlab.comm.watch`. Any wait
+  counts: the handle's ``wait()``, or its future's (``handle.get_future()``)
+  ``wait()``, ``torch.futures.wait_all`` over it, or the wait of a
+  future chained on it with ``then`` (the way DDP's comm hooks are written). An
   event is recorded when its op *completes* (a dropped handle's op may never be),
   a launch when it starts;
 - ``seen.forbidden``: the forbidden functions the learner's code called itself
@@ -28,9 +31,10 @@ import inspect
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
-from dtlab import comm, telemetry
+from dtlab import comm, opwatch, telemetry
 
 __all__ = ["Watch", "TORCH_COLLECTIVES", "code_of"]
 
@@ -59,6 +63,18 @@ TORCH_COLLECTIVES = (
 # the dtlab.comm calls whose ``async_op`` a launch records (p2p is always async)
 _COMM_CALLS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 _P2P_CALLS = ("isend", "irecv")
+
+# A future's ways of being waited on and chained, all in Python (their calls and
+# returns are seen): dtlab.comm hands out futures whose ``then`` returns another
+# Python future, so a chained future's wait is seen too
+_FUTURE_WAITS = {
+    torch.futures.Future.wait.__code__: "self",
+    torch.futures.wait_all.__code__: "futures",
+}
+_FUTURE_CHAINS = {
+    comm._SeenFuture.then.__code__: "self",
+    torch.futures.collect_all.__code__: "futures",
+}
 
 
 def code_of(fn) -> object:
@@ -120,6 +136,12 @@ class Watch:
         self._pending_async = False
         self._by_entry: dict[int, dict] = {}
         self._entries: list = []  # keeps entries alive, so their ids stay unique
+        # futures handed out for async ops, and those chained on them: id ->
+        # (future, the launches it stands for); the futures are kept alive so
+        # their ids stay unique
+        self._futures: dict[int, tuple] = {}
+        self._waiting: dict[int, list] = {}  # frame or C future -> launches
+        self._chaining: dict[int, list] = {}  # frame -> launches
         self._use = None
         self._previous = None
 
@@ -128,12 +150,14 @@ class Watch:
         self._use = telemetry.use(self.recorder)
         self._use.__enter__()
         comm.watch(self._on_op)
+        opwatch.watch_futures(self._on_future)
         self._previous = sys.getprofile()
         sys.setprofile(self._profile)
         return self
 
     def __exit__(self, *exc) -> None:
         sys.setprofile(self._previous)
+        opwatch.unwatch_futures(self._on_future)
         comm.unwatch(self._on_op)
         self._use.__exit__(*exc)
 
@@ -147,9 +171,14 @@ class Watch:
 
     # ---- what the profiler and dtlab.comm tell us ----------------------------------
     def _profile(self, frame, event, arg):
+        if self._futures and event != "call":
+            self._future_event(frame, event, arg)
+            return
         if event != "call":
             return
         code = frame.f_code
+        if self._futures and (code in _FUTURE_WAITS or code in _FUTURE_CHAINS):
+            self._future_call(frame, code)
         hook = self._hooks.get(code)
         if hook is not None:
             hook(frame)
@@ -157,6 +186,45 @@ class Watch:
         if label is not None and label not in self.forbidden:
             if not self._nested(frame) and not _called_by_library(frame):
                 self.forbidden.append(label)
+
+    # ---- waits through futures -----------------------------------------------------
+    def _on_future(self, entry, future) -> None:
+        launch = self._by_entry.get(id(entry))
+        if launch is not None:
+            self._futures[id(future)] = (future, [launch])
+
+    def _launches_of(self, futures) -> list:
+        found = []
+        for f in futures:
+            tracked = self._futures.get(id(f))
+            if tracked is not None and tracked[0] is f:
+                found += tracked[1]
+        return found
+
+    def _future_call(self, frame, code) -> None:
+        name = _FUTURE_WAITS.get(code) or _FUTURE_CHAINS[code]
+        given = frame.f_locals.get(name)
+        futures = given if name == "futures" else [given]
+        launches = self._launches_of(futures or [])
+        if launches:
+            table = self._waiting if code in _FUTURE_WAITS else self._chaining
+            table[id(frame)] = launches
+
+    def _future_event(self, frame, event, arg) -> None:
+        if event == "return":
+            launches = self._waiting.pop(id(frame), None)
+            if launches is not None:
+                self._mark_waited(launches)
+            launches = self._chaining.pop(id(frame), None)
+            if launches is not None and arg is not None:  # the chained future
+                self._futures[id(arg)] = (arg, launches)
+
+    @staticmethod
+    def _mark_waited(launches) -> None:
+        now = time.time()
+        for launch in launches:
+            if launch["t_waited"] is None:
+                launch["t_waited"] = now
 
     def _nested(self, frame) -> bool:
         """Whether a watched function called this one (torch's deprecated
