@@ -9,7 +9,7 @@ with ``entry = (op, numel, dtype, axis, tag, t_wall)``; an async op's ``wait()``
 marks its entry active a second time, then inactive. A watcher of futures
 (:func:`watch_futures`) receives ``(entry, future)`` each time code asks an async
 op's handle for its future (``handle.get_future()``), so a wait through the future
-(``wait()``, ``value()``, ``then``, ``torch.futures.wait_all``) can be told apart
+(``wait()``, ``then``, ``torch.futures.wait_all``) can be told apart
 from no wait at all.
 """
 
