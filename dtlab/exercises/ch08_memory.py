@@ -44,6 +44,9 @@ def _run(prepare, x, y):
     """A fresh GPT, ``prepare``d; one forward (counting saved bytes and each block
     module's calls) and backward with the same dropout masks every time."""
     model = GPT(CONFIG, seed=0)
+    # each parameter by its name before the learner's code: a wrapper module may
+    # rename it (torch's checkpoint_wrapper adds "_checkpoint_wrapped_module.")
+    names = {id(p): n for n, p in model.named_parameters()}
     forbidden = {
         recompute.apply_activation_checkpointing: (
             "dtlab.recompute.apply_activation_checkpointing"
@@ -68,8 +71,10 @@ def _run(prepare, x, y):
     with SavedBytes(skip_params=True) as saved:
         loss = model(x, y)[1]
     attempt(loss.backward)
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = {names.get(id(p), n): p.grad for n, p in model.named_parameters()}
+    new = [n for n, p in model.named_parameters() if id(p) not in names]
     return {
+        "new_params": new,
         "loss": loss.detach(),
         "grads": grads,
         "saved": saved.bytes,
@@ -112,11 +117,22 @@ def check_checkpointing(solution, cluster=None):
                 f"block {b}: only {twice} are recomputed, {once} are not: checkpoint "
                 "the whole block, so that only its input is kept."
             )
+    if mine["new_params"]:
+        raise ExerciseFailed(
+            f"the model trains parameters it did not have: {mine['new_params'][:3]}. "
+            "Checkpointing wraps how a block runs; its weights stay the very tensors "
+            "they were (no copies, no new modules with fresh weights)."
+        )
     if not torch.equal(mine["loss"], plain["loss"]):
         raise ExerciseFailed("the loss changed: checkpointing must not change numbers")
     for name, want in plain["grads"].items():
         got = mine["grads"].get(name)
-        if got is None or not torch.equal(got, want):
+        if got is None:
+            raise ExerciseFailed(
+                f"{name} is no longer in the model: checkpointing must keep every "
+                "parameter of the blocks it wraps."
+            )
+        if not torch.equal(got, want):
             raise ExerciseFailed(
                 f"the gradient of {name} differs from the model without "
                 "checkpointing. The recomputation must see the forward's random "
