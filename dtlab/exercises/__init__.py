@@ -71,7 +71,11 @@ from dtlab.exercises.ch05_pipeline import (
     check_one_f_one_b,
     check_pipeline_executor,
 )
-from dtlab.exercises.ch06_mixed_precision import check_loss_scaler, check_underflow
+from dtlab.exercises.ch06_mixed_precision import (
+    check_autocast_step,
+    check_loss_scaler,
+    check_underflow,
+)
 from dtlab.exercises.ch07_layouts import check_layout_defence, check_rank_order
 from dtlab.exercises.ch08_memory import check_accumulation, check_checkpointing
 from dtlab.exercises.ch09_planning import check_step_time, check_zero_states
@@ -125,6 +129,7 @@ __all__ = [
     "check_pipeline_executor",
     "check_loss_scaler",
     "check_underflow",
+    "check_autocast_step",
     "check_layout_defence",
     "check_rank_order",
     "check_checkpointing",

@@ -114,3 +114,88 @@ def thresholds_at_the_smallest_subnormal(grads, dtype, scale=1.0):
     above 2⁻²⁵ up to 2⁻²⁴ (and bf16 is not fp16)."""
     nonzero = grads != 0
     return ((grads * scale).abs() < 2.0**-24)[nonzero].float().mean().item()
+
+
+# ---- autocast_step -----------------------------------------------------------------
+def _amp_step(
+    model,
+    optimizer,
+    scaler,
+    x,
+    y,
+    max_norm,
+    *,
+    dtype=torch.float16,
+    zero=True,
+    scaled=True,
+    unscale_first=True,
+    through_scaler=True,
+    update=True,
+):
+    """A step of the autocast + GradScaler loop with one mistake switched on."""
+    from contextlib import nullcontext
+
+    if zero:
+        optimizer.zero_grad(set_to_none=True)
+    casts = torch.autocast("cpu", dtype=dtype) if dtype else nullcontext()
+    with casts:
+        _, loss = model(x, y)
+    (scaler.scale(loss) if scaled else loss).backward()
+    if unscale_first:
+        scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if through_scaler:
+        scaler.step(optimizer)
+    else:
+        optimizer.step()
+    if update:
+        scaler.update()
+    return loss
+
+
+@mistake("autocast_step", expect="scaler.unscale_(optimizer) before clip_grad_norm_")
+def clips_before_unscaling(model, optimizer, scaler, x, y, max_norm):
+    """Clips the gradients while they are still multiplied by the scale, then lets
+    scaler.step unscale them: clipped S times too hard."""
+    return _amp_step(model, optimizer, scaler, x, y, max_norm, unscale_first=False)
+
+
+@mistake("autocast_step", expect="call scaler.update()")
+def never_updates_the_scale(model, optimizer, scaler, x, y, max_norm):
+    """Scales, unscales, clips and steps, but never calls scaler.update(): the scale
+    neither backs off after an overflow nor grows."""
+    return _amp_step(model, optimizer, scaler, x, y, max_norm, update=False)
+
+
+@mistake("autocast_step", expect="scaler.scale(loss).backward()")
+def backward_outside_the_scaler(model, optimizer, scaler, x, y, max_norm):
+    """Calls loss.backward() on the unscaled loss: small fp16 gradients underflow,
+    and unscale_ then divides true gradients by S."""
+    return _amp_step(model, optimizer, scaler, x, y, max_norm, scaled=False)
+
+
+@mistake("autocast_step", expect="call scaler.step(optimizer)")
+def steps_the_optimizer_itself(model, optimizer, scaler, x, y, max_norm):
+    """Unscales and clips correctly, then calls optimizer.step() directly: an
+    overflowed step is applied and the weights become inf."""
+    return _amp_step(model, optimizer, scaler, x, y, max_norm, through_scaler=False)
+
+
+@mistake("autocast_step", expect="inside torch.autocast")
+def forgets_autocast(model, optimizer, scaler, x, y, max_norm):
+    """Scales the loss of a plain fp32 forward: no matmul runs in 16 bits."""
+    return _amp_step(model, optimizer, scaler, x, y, max_norm, dtype=None)
+
+
+@mistake("autocast_step", expect="bf16 needs no GradScaler")
+def autocasts_to_bf16(model, optimizer, scaler, x, y, max_norm):
+    """Runs the forward in bf16, whose range needs no loss scale, under an fp16
+    GradScaler loop."""
+    return _amp_step(model, optimizer, scaler, x, y, max_norm, dtype=torch.bfloat16)
+
+
+@mistake("autocast_step", expect="call optimizer.zero_grad()")
+def never_zeroes_the_gradients(model, optimizer, scaler, x, y, max_norm):
+    """Never clears .grad: each backward adds to the last step's clipped
+    gradients."""
+    return _amp_step(model, optimizer, scaler, x, y, max_norm, zero=False)

@@ -1,6 +1,7 @@
 """Chapter 06's reference solutions: a dynamic loss scaler whose overflow decision
-is agreed across ranks, and the underflow of gradients cast to fp16 or bf16
-(Micikevicius et al. 2018, "Mixed Precision Training", §3.2).
+is agreed across ranks, the underflow of gradients cast to fp16 or bf16
+(Micikevicius et al. 2018, "Mixed Precision Training", §3.2), and one training
+step of PyTorch's own loop, ``torch.autocast`` + ``torch.amp.GradScaler``.
 ``dtlab.exercises.solution(name)`` shows each; :mod:`.ch06_mixed_precision` checks
 a learner's against them."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["scaler_step", "underflow_fraction"]
+__all__ = ["scaler_step", "underflow_fraction", "autocast_step"]
 
 
 def scaler_step(grads, state):
@@ -48,3 +49,21 @@ def underflow_fraction(grads, dtype, scale=1.0):
     nonzero = grads != 0
     flushed = (grads * scale).to(dtype) == 0
     return (flushed & nonzero).sum().item() / max(1, nonzero.sum().item())
+
+
+def autocast_step(model, optimizer, scaler, x, y, max_norm):
+    """One step of PyTorch's mixed-precision loop on an fp32 ``model``: zero the
+    gradients, forward under ``torch.autocast("cpu", dtype=torch.float16)`` (the
+    model returns ``(logits, loss)``), backward of the loss scaled by ``scaler`` (a
+    ``torch.amp.GradScaler``), clip the *true* gradients to norm ``max_norm``, step
+    ``optimizer`` unless a gradient overflowed, and update the scale. Returns the
+    loss."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, loss = model(x, y)  # an fp32 loss: cross_entropy runs in fp32
+    scaler.scale(loss).backward()  # every gradient is S times the true one
+    scaler.unscale_(optimizer)  # divide by S in place, note any inf/nan
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # true norms
+    scaler.step(optimizer)  # skipped if unscale_ found an inf/nan
+    scaler.update()  # back off after a skip, grow after N clean steps
+    return loss

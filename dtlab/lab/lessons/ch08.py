@@ -1,7 +1,8 @@
 """Chapter 08's lesson helpers (``notebooks/08_memory_techniques.ipynb``): the
-activation terms of Korthikanti et al. next to what dtlab's GPT keeps, the bytes of
-an optimizer's state, a block-wise 8-bit encoding of Adam's moments, and FSDP2's
-gradient accumulation with and without communication.
+questions the chapter asks the learner to predict, the activation terms of
+Korthikanti et al. next to what dtlab's GPT keeps, the bytes of an optimizer's
+state, a block-wise 8-bit encoding of Adam's moments, and FSDP2's gradient
+accumulation with and without communication.
 
 The functions that take no cluster run on one process (the kernel, or an engine
 the chapter ships them to); nothing here draws.
@@ -11,11 +12,32 @@ from __future__ import annotations
 
 import torch
 
+from dtlab.lab.predictions import Question
+
 __all__ = [
+    "QUESTIONS",
     "activation_terms",
     "optimizer_state_bytes",
     "blockwise_int8",
     "fsdp2_accumulation",
+]
+
+QUESTIONS = [
+    Question(
+        "full_recompute_saving",
+        "08",
+        "activation bytes per layer that full recomputation saves for the chapter's "
+        "GPT (s = 128, b = 4, h = 128, a = 4, fp32, no dropout): what a block keeps "
+        "without recomputation minus what it keeps with full",
+        "kB",
+    ),
+    Question(
+        "accum_activation_ratio",
+        "08",
+        "the activations rank 0's forward keeps with k = 4 microbatches, as a "
+        "multiple of what it keeps with k = 1 (global batch 16 on 4 ranks, DDP)",
+        "x",
+    ),
 ]
 
 
@@ -83,9 +105,9 @@ def blockwise_int8(t: torch.Tensor, block: int = 2048) -> dict:
 
 def fsdp2_accumulation(micro_batches: int, sync_every: bool, seed: int = 0) -> dict:
     """On every rank: FSDP2 (``fully_shard`` per block and on the root) trains
-    one step of dtlab's GPT over ``micro_batches`` micro-batches of this rank's
+    one step of dtlab's GPT over ``micro_batches`` microbatches of this rank's
     slice. ``sync_every=False`` calls ``set_requires_gradient_sync(False)`` on all
-    but the last micro-batch (FSDP1's ``no_sync``): the unsharded gradients add
+    but the last microbatch (FSDP1's ``no_sync``): the unsharded gradients add
     up locally and are reduce-scattered once. Returns the collectives of the
     backward passes (:class:`dtlab.frameworks.traffic.CollectiveCounter`) and
     the sharded gradient's sum, to compare the two ways."""
