@@ -146,39 +146,7 @@ class _Recorded:
         return self._work.is_completed()
 
     def get_future(self):
-        return _future_of(self._work, self._entry)
-
-
-def _future_of(work, entry):
-    """The work's future, as a Python ``torch.futures.Future`` completed with the
-    work's result (or its error): whoever waits on it, chains ``then`` on it or
-    hands it to ``torch.futures.wait_all`` is seen doing so (an exercise's checker
-    counts that as waiting, as a DDP comm hook's future is waited by DDP)."""
-    mirror = _mirror(work.get_future())
-    if entry is not None:
-        opwatch.note_future(entry, mirror)
-    return mirror
-
-
-class _SeenFuture(torch.futures.Future):
-    """A future whose ``then`` returns another such future (torch's returns its
-    C future, whose waits Python's profiler cannot attribute)."""
-
-    def then(self, callback):
-        return _mirror(super().then(callback))
-
-
-def _mirror(fut) -> _SeenFuture:
-    seen = _SeenFuture()
-
-    def done(f):
-        try:
-            seen.set_result(f.value())
-        except Exception as e:  # the op failed: so does whoever waits on it
-            seen.set_exception(e)
-
-    fut.add_done_callback(done)
-    return seen
+        return opwatch.watched_future(self._work.get_future(), self._entry)
 
 
 class _Waiting:
@@ -198,7 +166,7 @@ class _Waiting:
         return done
 
     def get_future(self):
-        return _future_of(self._work, self._entry)
+        return opwatch.watched_future(self._work.get_future(), self._entry)
 
     def __getattr__(self, name):
         return getattr(self._work, name)

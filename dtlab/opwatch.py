@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 __all__ = [
     "enter",
     "leave",
@@ -26,7 +28,8 @@ __all__ = [
     "forget_ops",
     "watch",
     "unwatch",
-    "note_future",
+    "WatchedFuture",
+    "watched_future",
     "watch_futures",
     "unwatch_futures",
 ]
@@ -98,11 +101,38 @@ def unwatch(fn) -> None:
         _WATCHERS.remove(fn)
 
 
-def note_future(entry, future) -> None:
-    """``future`` is the future of the async op ``entry`` (dtlab.comm calls this
-    from a handle's ``get_future()``)."""
-    for w in _FUTURE_WATCHERS:
-        w(entry, future)
+class WatchedFuture(torch.futures.Future):
+    """A future whose ``then`` returns another such future: torch's returns its
+    C future, whose ``wait()`` Python's profiler cannot attribute to it."""
+
+    def then(self, callback):
+        return _mirror(super().then(callback))
+
+
+def _mirror(fut) -> WatchedFuture:
+    seen = WatchedFuture()
+
+    def done(f):
+        try:
+            seen.set_result(f.value())
+        except Exception as e:  # the op failed: so does whoever waits on it
+            seen.set_exception(e)
+
+    fut.add_done_callback(done)
+    return seen
+
+
+def watched_future(future, entry) -> WatchedFuture:
+    """The future of the async op ``entry`` (dtlab.comm's handles' ``get_future``),
+    as a Python future completed with its result or error, handed to every future
+    watcher: whoever waits on it, chains ``then`` on it or passes it to
+    ``torch.futures.wait_all`` can be seen doing so (an exercise's checker counts
+    that as a wait, as DDP waits on its comm hooks' futures)."""
+    mirror = _mirror(future)
+    if entry is not None:
+        for w in _FUTURE_WATCHERS:
+            w(entry, mirror)
+    return mirror
 
 
 def watch_futures(fn) -> None:

@@ -72,7 +72,7 @@ _FUTURE_WAITS = {
     torch.futures.wait_all.__code__: "futures",
 }
 _FUTURE_CHAINS = {
-    comm._SeenFuture.then.__code__: "self",
+    opwatch.WatchedFuture.then.__code__: "self",
     torch.futures.collect_all.__code__: "futures",
 }
 
