@@ -57,6 +57,7 @@ from dtlab.exercises.ch02_data_parallel import (
     check_no_sync_accumulation,
     check_overlapped_hooks,
 )
+from dtlab.exercises.ch02_torch_ddp import check_torch_ddp
 from dtlab.exercises.ch03_zero import (
     check_fsdp_unit,
     check_zero1_step,
@@ -119,6 +120,7 @@ __all__ = [
     "check_overlapped_hooks",
     "check_bucketed_hooks",
     "check_no_sync_accumulation",
+    "check_torch_ddp",
     "check_zero1_step",
     "check_zero2_hooks",
     "check_fsdp_unit",

@@ -6,8 +6,11 @@
    hooks while backward goes on, every handle waited once backward returns (§3.2.3);
 3. ``bucketed_hooks``: gradients packed into buckets of a given cap in *reverse*
    registration order, one async all-reduce per bucket (§3.2.3, Figure 2(b));
-4. ``no_sync_accumulation``: k micro-batches per optimizer step on
+4. ``no_sync_accumulation``: k microbatches per optimizer step on
    :class:`dtlab.ddp.DistributedDataParallel`, all-reducing once (§3.2.4).
+
+The chapter's fifth exercise, the same training on PyTorch's own DDP, is
+:mod:`.ch02_torch_ddp`.
 
 Every rank trains on its own slice of the global batch with plain SGD (where a
 gradient summed instead of averaged moves the weights N times too far, which AdamW
@@ -368,7 +371,7 @@ class CountingSGD(torch.optim.SGD):
 
 
 def probe_accumulation(solution, k: int) -> dict:
-    """STEPS optimizer steps, each over k micro-batches of this rank's slice, on
+    """STEPS optimizer steps, each over k microbatches of this rank's slice, on
     dtlab's DDP; the weights, comm events, steps taken and DDP's bucket count."""
     r, n = rank_and_size()
     model = DistributedDataParallel(exercise_model())  # its broadcast: not watched
@@ -395,7 +398,7 @@ def probe_accumulation(solution, k: int) -> dict:
     reference=accumulate_and_step,
     measures=(
         "weights == one process on the whole batch; one all-reduce per bucket per "
-        "optimizer step (not per micro-batch), one optimizer step"
+        "optimizer step (not per microbatch), one optimizer step"
     ),
 )
 def check_no_sync_accumulation(solution, cluster=None, k: int = MICRO_BATCHES):
@@ -405,31 +408,31 @@ def check_no_sync_accumulation(solution, cluster=None, k: int = MICRO_BATCHES):
         if rep["steps_taken"] != STEPS:
             raise ExerciseFailed(
                 f"rank {r} called optimizer.step() {rep['steps_taken'] / STEPS:g} "
-                f"times per accumulation step: step once, after all {k} micro-batches."
+                f"times per accumulation step: step once, after all {k} microbatches."
             )
         per_step = len(rep["launches"]) / STEPS
         if per_step == 0:
             raise ExerciseFailed(
                 f"rank {r}: no all-reduce at all, so the ranks never averaged. Run "
-                "the last micro-batch's backward outside no_sync(): DDP then reduces "
+                "the last microbatch's backward outside no_sync(): DDP then reduces "
                 "the gradients accumulated so far."
             )
         if per_step != rep["buckets"]:
             raise ExerciseFailed(
                 f"rank {r} all-reduced {per_step:g} times per step ({rep['buckets']} "
-                f"bucket(s), {k} micro-batches): wrap every backward but the last in "
+                f"bucket(s), {k} microbatches): wrap every backward but the last in "
                 "model.no_sync(), so gradients accumulate locally and DDP "
                 "communicates once per optimizer step."
             )
     _judge_weights(
         reports,
-        {k: f"divide each micro-batch's loss by k = {k}.", **_summed(n)},
+        {k: f"divide each microbatch's loss by k = {k}.", **_summed(n)},
         hint=(
-            f"Are all {k} micro-batches' gradients accumulated (no zero_grad between "
+            f"Are all {k} microbatches' gradients accumulated (no zero_grad between "
             "them), each loss divided by k?"
         ),
     )
     return [
-        f"weights equal one process's after {STEPS} steps of {k} micro-batches",
+        f"weights equal one process's after {STEPS} steps of {k} microbatches",
         "one all-reduce per bucket per optimizer step; one optimizer step",
     ]

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from dtlab.exercises import ch02_data_parallel  # noqa: F401 - declares the exercises
+from dtlab.exercises import (  # noqa: F401 - they declare the exercises
+    ch02_data_parallel,
+    ch02_torch_ddp,
+)
 from dtlab.exercises.grading import mistake
 
 __all__: list[str] = []
@@ -267,7 +270,7 @@ def forgets_to_copy_back(model, cap_bytes):
 # ---- no_sync_accumulation ------------------------------------------------------------
 @mistake("no_sync_accumulation", expect="model.no_sync()")
 def syncs_every_micro_batch(model, optimizer, micro_batches, loss_fn):
-    """No no_sync(): the right gradients, with an all-reduce per micro-batch."""
+    """No no_sync(): the right gradients, with an all-reduce per microbatch."""
     for x, y in micro_batches:
         (loss_fn(model(x), y) / len(micro_batches)).backward()
     optimizer.step()
@@ -282,9 +285,9 @@ def never_syncs(model, optimizer, micro_batches, loss_fn):
     optimizer.step()
 
 
-@mistake("no_sync_accumulation", expect="divide each micro-batch's loss by k")
+@mistake("no_sync_accumulation", expect="divide each microbatch's loss by k")
 def forgets_to_divide_the_loss(model, optimizer, micro_batches, loss_fn):
-    """Accumulates the micro-batch losses' gradients without dividing by k: the
+    """Accumulates the microbatch losses' gradients without dividing by k: the
     gradient of the sum, k times the mean's."""
     for i, (x, y) in enumerate(micro_batches):
         if i < len(micro_batches) - 1:
@@ -297,7 +300,7 @@ def forgets_to_divide_the_loss(model, optimizer, micro_batches, loss_fn):
 
 @mistake("no_sync_accumulation", expect="no zero_grad between them")
 def zeroes_between_micro_batches(model, optimizer, micro_batches, loss_fn):
-    """Calls zero_grad() before every micro-batch: only the last one counts."""
+    """Calls zero_grad() before every microbatch: only the last one counts."""
     k = len(micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         optimizer.zero_grad()
@@ -311,7 +314,7 @@ def zeroes_between_micro_batches(model, optimizer, micro_batches, loss_fn):
 
 @mistake("no_sync_accumulation", expect="optimizer.step()")
 def steps_every_micro_batch(model, optimizer, micro_batches, loss_fn):
-    """Steps after every micro-batch: k small steps instead of one."""
+    """Steps after every microbatch: k small steps instead of one."""
     k = len(micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         if i < k - 1:
@@ -320,3 +323,101 @@ def steps_every_micro_batch(model, optimizer, micro_batches, loss_fn):
         else:
             (loss_fn(model(x), y) / k).backward()
         optimizer.step()
+
+
+# ---- torch_ddp -----------------------------------------------------------------------
+def _torch_ddp_loop(model, batches, lr, *, whole=False, via_module=False, zero=True):
+    """The reference loop with one thing changed (each mistake below names it)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    forward = ddp.module if via_module else ddp
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        if not whole:
+            per = len(x) // n
+            x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        if zero:
+            optimizer.zero_grad()
+        loss = nn.functional.mse_loss(forward(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@mistake("torch_ddp", expect="trained on the whole batch")
+def trains_on_the_whole_batch(model, batches, lr):
+    """Wraps the model and feeds every rank the whole global batch: the averaged
+    gradient is right, at N times the compute, and nothing is data-parallel."""
+    return _torch_ddp_loop(model, batches, lr, whole=True)
+
+
+@mistake("torch_ddp", expect="not ddp.module(x)")
+def forwards_through_the_module(model, batches, lr):
+    """Calls ``ddp.module(x)``: the forward skips DDP's, so its reducer is never
+    readied for the backward and no gradient is all-reduced."""
+    return _torch_ddp_loop(model, batches, lr, via_module=True)
+
+
+@mistake("torch_ddp", expect="optimizer.zero_grad()")
+def forgets_zero_grad(model, batches, lr):
+    """Never zeroes the gradients: each step adds the earlier steps' gradients
+    (the averaged ones: every rank still agrees, and every rank is wrong)."""
+    return _torch_ddp_loop(model, batches, lr, zero=False)
+
+
+@mistake("torch_ddp", expect="dtlab.ddp.DistributedDataParallel")
+def wraps_in_dtlab_ddp(model, batches, lr):
+    """dtlab's DDP instead of PyTorch's: the right numbers, the wrong framework."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from dtlab.ddp import DistributedDataParallel
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        per = len(x) // n
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@mistake("torch_ddp", expect="never wrapped the model")
+def averages_by_hand(model, batches, lr):
+    """Hooks that all-reduce each gradient with dtlab.comm (exercise 1's answer)
+    instead of PyTorch's DDP: the weights come out right, but no DDP was used."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from dtlab import comm
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def average(param):
+        comm.all_reduce(param.grad)
+        param.grad.div_(n)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(average)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        per = len(x) // n
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

@@ -1,7 +1,8 @@
-"""Chapter 02's reference solutions: DDP in three steps (hooks, overlap, buckets)
-and gradient accumulation with ``no_sync`` (Li et al. 2020, "PyTorch Distributed",
-§3.2). ``dtlab.exercises.solution(name)`` shows each; :mod:`.ch02_data_parallel`
-checks a learner's against them."""
+"""Chapter 02's reference solutions: DDP in three steps (hooks, overlap, buckets),
+gradient accumulation with ``no_sync`` (Li et al. 2020, "PyTorch Distributed",
+§3.2), and a training loop on PyTorch's own ``DistributedDataParallel``.
+``dtlab.exercises.solution(name)`` shows each; :mod:`.ch02_data_parallel` checks a
+learner's against them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ __all__ = [
     "attach_overlapped_averaging",
     "attach_bucketed_averaging",
     "accumulate_and_step",
+    "train_with_torch_ddp",
 ]
 
 
@@ -119,3 +121,27 @@ def accumulate_and_step(model, optimizer, micro_batches, loss_fn):
         with contextlib.nullcontext() if last else model.no_sync():
             (loss_fn(model(x), y) / k).backward()
     optimizer.step()
+
+
+def train_with_torch_ddp(model, batches, lr):
+    """Wrap ``model`` in PyTorch's ``DistributedDataParallel`` and take one SGD step
+    (learning rate ``lr``, mean squared error) per ``(x, y)`` global batch of
+    ``batches``, on this rank's contiguous slice of it: rows ``r·B/N`` to
+    ``(r+1)·B/N``. Returns this rank's losses, one float per step."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ddp = nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:  # (B, d_in), (B, d_out): the global batch
+        per = len(x) // n
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)  # through the wrapper: DDP's hooks
+        loss.backward()  # the reducer all-reduces the buckets in here
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
