@@ -22,7 +22,7 @@ CLAIMS = ROOT / "tests" / "claims"
 # The budgets of the issue "The learner's path", enforced on each chapter already
 # reshaped into the rhythm; the rest keep their structure checked.
 MAX_CORE_WORDS, MAX_CONFIRMS, MIN_PREDICTIONS = 2500, 8, 2
-RESHAPED = {"00", "01", "02", "04", "05", "06", "07", "08", "09", "11"}
+RESHAPED = {"00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "11"}
 PREDICTING = {"01", "02", "03", "04", "05", "06", "07", "08", "09", "11"}
 
 

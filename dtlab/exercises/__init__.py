@@ -58,6 +58,7 @@ from dtlab.exercises.ch02_data_parallel import (
     check_overlapped_hooks,
 )
 from dtlab.exercises.ch02_torch_ddp import check_torch_ddp
+from dtlab.exercises.ch03_fsdp2 import check_fully_shard
 from dtlab.exercises.ch03_zero import (
     check_fsdp_unit,
     check_zero1_step,
@@ -124,6 +125,7 @@ __all__ = [
     "check_zero1_step",
     "check_zero2_hooks",
     "check_fsdp_unit",
+    "check_fully_shard",
     "check_column_parallel",
     "check_row_parallel",
     "check_sequence_parallel",

@@ -1,11 +1,12 @@
 """The mistakes learners make in chapter 03's exercises, each rejected by its
-checker with the message fragment given (``tests/test_exercises.py`` proves it)."""
+checker with the message fragment given (``tests/test_exercises.py`` proves it;
+``tests/test_exercises_ch03.py`` for ``fully_shard``)."""
 
 from __future__ import annotations
 
 import torch
 
-from dtlab.exercises import ch03_zero  # noqa: F401 - declares the exercises
+from dtlab.exercises import ch03_fsdp2, ch03_zero  # noqa: F401 - declare the exercises
 from dtlab.exercises.grading import mistake
 
 __all__: list[str] = []
@@ -292,3 +293,82 @@ def forgets_to_average(x, shard, compute):
 def drops_the_input_gradient(x, shard, compute):
     """Returns None for the input's gradient: the earlier units get nothing."""
     return _unit(x, shard, compute, input_grad=False)
+
+
+# ---- fully_shard ---------------------------------------------------------------------
+def _policy(reduce_dtype=torch.float32):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+
+
+@mistake("fully_shard", expect="Only the root is a unit")
+def wraps_only_the_root(model, mesh):
+    """One fully_shard on the whole model: every weight is sharded between steps,
+    but the root is one unit, gathered whole before the first layer runs."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh, mp_policy=_policy())
+    return model
+
+
+@mistake("fully_shard", expect="MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
+def forgets_the_precision_policy(model, mesh):
+    """Blocks and root wrapped, no policy: FSDP2 gathers and computes in fp32,
+    twice the bytes on the wire and in the gathered weights."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+@mistake("fully_shard", expect="reshard_after_forward=True")
+def keeps_the_blocks_gathered(model, mesh):
+    """reshard_after_forward=False: one all-gather per unit instead of two (2Ψ of
+    traffic), but every block stays whole from its forward to its backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=_policy(), reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=_policy(), reshard_after_forward=False)
+    return model
+
+
+@mistake("fully_shard", expect="call fully_shard(model, ...) on the root too")
+def forgets_the_root(model, mesh):
+    """The blocks only: the embeddings and the final norm stay whole on every
+    rank, their gradients never averaged (and, with a bf16 policy on the blocks
+    alone, the fp32 head would meet bf16 activations)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=_policy())
+    return model
+
+
+@mistake("fully_shard", expect="finer than the transformer blocks")
+def wraps_every_linear(model, mesh):
+    """Every Linear its own unit: less gathered at once, but four times the
+    collectives, each paying its latency."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.blocks.modules():
+        if isinstance(module, torch.nn.Linear):
+            fully_shard(module, mesh=mesh, mp_policy=_policy())
+    fully_shard(model, mesh=mesh, mp_policy=_policy())
+    return model
+
+
+@mistake("fully_shard", expect="reduce_dtype=torch.float32")
+def reduces_in_bf16(model, mesh):
+    """param_dtype alone: reduce_dtype defaults to it, so the gradients are summed
+    over the ranks in bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model

@@ -6,7 +6,10 @@
 - stage 2: gradient hooks that reduce-scatter each gradient into this rank's slice
   and free the full gradient at once;
 - stage 3: an FSDP unit that gathers its parameters for the forward, frees them,
-  and gathers them again for the backward.
+  and gathers them again for the backward;
+- the real thing: PyTorch's FSDP2, ``fully_shard`` per transformer block and then
+  on the root, with a ``MixedPrecisionPolicy``, so that memory and traffic fit a
+  budget.
 
 ``dtlab.exercises.solution(name)`` shows each; :mod:`.ch03_zero` checks a
 learner's against them.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sharded_adamw_step", "attach_zero2_hooks", "fsdp_unit"]
+__all__ = ["sharded_adamw_step", "attach_zero2_hooks", "fsdp_unit", "shard_gpt"]
 
 
 def sharded_adamw_step(
@@ -110,3 +113,23 @@ def fsdp_unit(x, shard, compute):
             return grad_x, grad_shard / n
 
     return Unit.apply(x, shard)
+
+
+def shard_gpt(model, mesh):
+    """FSDP2 on dtlab's GPT, within the chapter's budget (FSDP §3.2, its units;
+    torch's ``fully_shard``). Each transformer block becomes its own unit, gathered
+    just before it runs, freed after its forward (``reshard_after_forward=True``)
+    and gathered again for its backward, so at most the root and about two blocks
+    are ever whole; the root call shards what no block owns (the embeddings, the
+    tied head, the final norm). The weights travel and compute in bf16 while the
+    optimizer steps the fp32 shards; gradients are reduce-scattered in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16,  # what is all-gathered and computed with
+        reduce_dtype=torch.float32,  # what the gradients are summed in
+    )
+    for block in model.blocks:  # the blocks first: one unit each
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # then the root, last
+    return model

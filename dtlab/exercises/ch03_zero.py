@@ -12,6 +12,8 @@
 3. ``fsdp_unit``: gather, compute, free, re-gather in backward; the checker follows
    every tensor an all-gather filled and measures, at every compute and every
    collective, how many units' full parameters are alive (at most two).
+
+The fourth, PyTorch's FSDP2 within a budget, is :mod:`.ch03_fsdp2`.
 """
 
 from __future__ import annotations
