@@ -22,7 +22,7 @@ CLAIMS = ROOT / "tests" / "claims"
 # The budgets of the issue "The learner's path", enforced on each chapter already
 # reshaped into the rhythm; the rest keep their structure checked.
 MAX_CORE_WORDS, MAX_CONFIRMS, MIN_PREDICTIONS = 2500, 8, 2
-RESHAPED = {"00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "11"}
+RESHAPED = {"00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11"}
 PREDICTING = {"01", "02", "03", "04", "05", "06", "07", "08", "09", "11"}
 
 
@@ -76,6 +76,15 @@ def test_every_exercise_has_a_difficulty_for_the_map():
         course.DIFFICULTY
     )
     assert set(course.DIFFICULTY.values()) <= set(course.EXERCISE_MINUTES)
+
+
+def test_the_index_map_is_the_chapters_own():
+    # `python -m dtlab.lab.lessons.course notebooks` rewrites it
+    index = "".join(
+        json.loads((NOTEBOOKS / "index.ipynb").read_text())["cells"][0]["source"]
+    )
+    table = course.index_table(course.chapter_map(NOTEBOOKS))
+    assert f"{course.BEGIN}\n{table}\n{course.END}" in index
 
 
 def test_every_claims_file_belongs_to_a_chapter():
