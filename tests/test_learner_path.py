@@ -92,3 +92,13 @@ def test_every_claims_file_belongs_to_a_chapter():
     for path in CLAIMS.glob("*.py"):
         assert re.fullmatch(r"ch\d\d\.py", path.name), path.name
         assert path.name[2:4] in chapters, path.name
+
+
+def test_the_readme_gives_each_chapter_its_minutes():
+    readme = (ROOT / "README.md").read_text()
+    for chapter in course.chapter_map(NOTEBOOKS):
+        core, extra = course.minutes(chapter)
+        shown = f"{core} + {extra}" if extra else f"{core}"
+        assert re.search(
+            rf"^\| {chapter.number} \| [^|]+ \| {re.escape(shown)} \|", readme, re.M
+        ), f"README: chapter {chapter.number} takes {shown} minutes"
