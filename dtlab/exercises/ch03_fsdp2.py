@@ -207,8 +207,9 @@ def check_fully_shard(solution, cluster=None):
     scatters, scatter_types, scatter_bytes = _of(rep["collectives"], "reduce_scatter")
     if "float32" in gather_types:
         raise ExerciseFailed(
-            f"the all-gathers carried float32: {gather_bytes:,} B in a step, twice "
-            f"the budget's {budget['gather_bytes']:,} B, and the gathered weights "
+            f"the all-gathers carried float32: {gather_bytes:,} B in a step, "
+            f"{gather_bytes / budget['gather_bytes']:.2f}× the budget's "
+            f"{budget['gather_bytes']:,} B, and the gathered weights "
             f"peaked at {rep['peak']:,} B. Without a MixedPrecisionPolicy FSDP2 "
             "gathers and computes in the parameters' dtype: "
             "MixedPrecisionPolicy(param_dtype=torch.bfloat16) gathers bf16 copies "
