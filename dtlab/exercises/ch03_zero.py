@@ -74,6 +74,25 @@ def _zero1_grads(n: int) -> list[list[torch.Tensor]]:
     ]
 
 
+def per_element_state(state) -> int:
+    """The optimizer-state values kept per parameter element: every tensor of more
+    than one value found in ``state`` (nested dicts, lists, and a torch optimizer's
+    own state included). A step counter is no per-element state, whether an int or
+    torch AdamW's 0-dim tensor, and a parameter (a slice kept as the optimizer's
+    nn.Parameter) is a weight, not state."""
+    if isinstance(state, nn.Parameter):
+        return 0
+    if torch.is_tensor(state):
+        return state.numel() if state.numel() > 1 else 0
+    if isinstance(state, torch.optim.Optimizer):
+        return per_element_state(list(state.state.values()))
+    if isinstance(state, dict):
+        return sum(per_element_state(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(per_element_state(v) for v in state)
+    return 0
+
+
 def probe_zero1(solution) -> dict:
     r, n = rank_and_size()
     flat = _randn(n * SLICE, seed="zero1/param")  # the same weights on every rank
@@ -84,7 +103,7 @@ def probe_zero1(solution) -> dict:
             solution(flat, grads[t][r].clone(), state, **ADAMW)
     return {
         "flat": flat,
-        "state_numel": sum(v.numel() for v in state.values() if torch.is_tensor(v)),
+        "state_numel": per_element_state(state),
         "launches": [(e["op"], e["bytes"]) for e in seen.launches],
         "forbidden": seen.forbidden,
     }

@@ -361,7 +361,9 @@ def _judge_step(t, mine: _Rig, ref: _Rig, scale: float, calls: int, losses):
             "and unscale_ then divides true gradients by S: call "
             "scaler.scale(loss).backward()"
             if _close(arrived, true)
-            else f"expected {scale:g} times the true gradients"
+            else f"expected {scale:g} times the true gradients: scale the loss "
+            "with the scaler you were given (a GradScaler of your own starts at "
+            "its own scale and never learns of this run's overflows)"
         )
         raise ExerciseFailed(
             f"step {t}: the gradients arrived at {arrived / true:.4g}× the true "
