@@ -39,7 +39,7 @@ class TrainConfig:
       :data:`STRATEGIES`: ``"ddp"`` (chapter 02) or ``"zero1"``/``"zero2"``/
       ``"zero3"`` (chapter 03).
     - ``steps``, ``global_batch_size`` (sequences per optimizer step, all ranks
-      together), ``grad_accum_steps`` (micro-batches per rank and step; with pp > 1,
+      together), ``grad_accum_steps`` (microbatches per rank and step; with pp > 1,
       pipeline flushes per step).
     - Pipeline (chapter 05, when ``pp > 1``): ``schedule`` (``gpipe``, ``1f1b``,
       ``interleaved``, ``zb_h1``), ``microbatches`` per flush and dp rank (None: pp),
@@ -188,7 +188,7 @@ class TrainConfig:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} does not split into "
                 f"dp={layout.dp} ranks x grad_accum_steps={self.grad_accum_steps} "
-                f"equal micro-batches: use a multiple of {per_step}"
+                f"equal microbatches: use a multiple of {per_step}"
             )
         if layout.pp == 1:
             for name, default in (("microbatches", None), ("chunks", 1)):

@@ -32,7 +32,7 @@ def _zero_stage(strategy: str) -> int:
 
 
 def _shape(config, layout: Layout) -> tuple[int, int, int]:
-    """(micro-batches per step, per flush, sequences per micro-batch) of a rank."""
+    """(microbatches per step, per flush, sequences per microbatch) of a rank."""
     k, m = config.grad_accum_steps, config.resolve_microbatches(layout)
     return k * m, m, config.global_batch_size // (layout.dp * k * m)
 

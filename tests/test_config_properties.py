@@ -79,7 +79,7 @@ def _violations(c: dict, world_size: int) -> list[tuple[str, ...]]:
     # a pipeline stage (or virtual stage) holds whole layers, the same number each
     if m["n_layers"] % (pp * chunks):
         out.append(("n_layers", "chunks"))
-    # the global batch splits into dp ranks x accumulation micro-batches
+    # the global batch splits into dp ranks x accumulation microbatches
     if gbs % (dp * ga):
         out.append(("global_batch_size",))
     if pp == 1:

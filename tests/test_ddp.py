@@ -38,7 +38,7 @@ def _state(model):
 
 def _run(model, ddp, steps, r, n, *, k=1, rec=None):
     """AdamW steps through ``ddp`` on this rank's slice of each global batch, in
-    ``k`` micro-batches (all but the last under no_sync). Returns, per step, the
+    ``k`` microbatches (all but the last under no_sync). Returns, per step, the
     weights before it and the gradients ``loss.backward()`` left; and the final
     weights."""
     opt = make_optimizer(ddp.parameters())
@@ -124,7 +124,7 @@ def _scenarios():
     out["frozen_buckets"] = ddp.bucket_names()
     out["tied_after"] = model.head.weight is model.wte.weight
 
-    # -- no_sync accumulation: 2 micro-batches per rank, comm recorded
+    # -- no_sync accumulation: 2 microbatches per rank, comm recorded
     rec = telemetry.Recorder(rank)
     model = GPT(CFG)
     ddp = DistributedDataParallel(model, bucket_cap_mb=CAPS["two"], process_group=dp)
@@ -239,7 +239,7 @@ def ranks(lab_cluster):
 # ---- references ------------------------------------------------------------------
 def same_order_reference(n, *, steps=STEPS, k=1, frozen=()):
     """One process doing what n DDP ranks do, in the same order: each shard's
-    gradient on its own (k micro-batches accumulated), times 1/n, then added up.
+    gradient on its own (k microbatches accumulated), times 1/n, then added up.
     Only meaningful bit for bit for n=2, where the order of the sum cannot matter."""
     model = GPT(CFG)
     for name, p in model.named_parameters():
@@ -380,7 +380,7 @@ def test_no_sync_accumulation_equals_the_large_batch(ranks):
     # the same global batch in one backward per rank: equal to rounding
     for name, p in out["dp2_one"]["final"].items():
         torch.testing.assert_close(ref_final[name], p, rtol=0, atol=1e-4)
-    # only the last micro-batch communicated: one all-reduce per bucket and step
+    # only the last microbatch communicated: one all-reduce per bucket and step
     calls = telemetry.comm_events(out["accum_events"], tag="ddp")
     assert [sum(e["step"] == s for e in calls) for s in range(STEPS)] == [2] * STEPS
     spans = [e for e in out["accum_events"] if e["kind"] == "span" and e["name"] == "B"]

@@ -73,7 +73,7 @@ def _grid(how: str):
 def _train(model, opt, rec, steps=STEPS, tracker=None, micro=1, no_sync=False):
     """AdamW steps, rank r on the r-th quarter of the global batch; the global mean
     loss of each step. ``tracker``: the model states after the last backward.
-    ``micro=2``: two micro-batches a step (``no_sync``: the first under
+    ``micro=2``: two microbatches a step (``no_sync``: the first under
     ``model.no_sync()``)."""
     import contextlib
 
@@ -334,7 +334,7 @@ def test_precision_offload_accumulation_and_sync_change_nothing_else(cluster, gp
     # FSDP2's habit for its root and no prefetch: other timing, same numbers
     assert out["root_kept"]["losses"] == plain["losses"]
     _assert_params_equal(out["root_kept"]["params"], plain["params"])
-    # two micro-batches: stage 3 reduces (both hops) after each backward and adds
+    # two microbatches: stage 3 reduces (both hops) after each backward and adds
     # the slices; stage 1 under no_sync adds full gradients and reduces once, the
     # same additions in another order (Adam may pass a last-bit difference of a
     # near-zero gradient on as a few 1e-6, see test_zero.py)
@@ -349,7 +349,7 @@ def test_precision_offload_accumulation_and_sync_change_nothing_else(cluster, gp
         < 2e-5
     )
     assert quiet["wire"] == out["plain1"]["wire"]  # one reduction a step, both axes
-    # without no_sync, each micro-batch reduces: twice the replicas' all-reduce,
+    # without no_sync, each microbatch reduces: twice the replicas' all-reduce,
     # and in the shard group two reduce-scatters beside the one all-gather
     assert loud["wire"]["dp_replicate"] == 2 * quiet["wire"]["dp_replicate"]
     assert loud["wire"]["dp_shard"] == 1.5 * quiet["wire"]["dp_shard"]

@@ -6,7 +6,7 @@ against the same MoE on one process (same routing, same drops): outputs, loss,
 every gradient, bytes per rank against dtlab.estimate, the telemetry it records.
 
 Tolerances. The reference for an ep group is the single-process MoE run on each
-rank's tokens in turn (each rank routes its own micro-batch with its own capacity,
+rank's tokens in turn (each rank routes its own microbatch with its own capacity,
 as data parallelism does), so routing and drops are identical, and asserted equal.
 What differs is the order of fp32 sums: under expert parallelism an expert runs once
 over the rows of every rank (one matmul of all of them) and its weight gradient is
@@ -431,7 +431,7 @@ def test_expert_parallel_layer_matches_one_process(lab_cluster, ep):
 
 def _ep_gpt(ep, k):
     """The GPT with MoE layers under expert parallelism against the single-process
-    GPT run over every ep rank's micro-batch in turn."""
+    GPT run over every ep rank's microbatch in turn."""
     import torch.distributed as dist
 
     world = dist.get_world_size()

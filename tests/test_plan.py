@@ -65,7 +65,7 @@ def test_layout_memory_by_hand_dp_and_zero():
         4 * PSI,
         8 * PSI,
     )
-    # activations, micro-batch 1, fp32: per layer sbh(34 + 5as/h) x 2, 4 layers,
+    # activations, microbatch 1, fp32: per layer sbh(34 + 5as/h) x 2, 4 layers,
     # plus the head's inputs 2sbh and the log-softmax sbV, 4 bytes each
     s, h, a, V = 8, 16, 2, 32
     layer = s * h * (34 + 5 * a * s / h) * 2
@@ -109,7 +109,7 @@ def test_layout_memory_by_hand_tp_pp():
     assert sp["activations"] == pytest.approx(
         4 * s * h / 2 * (34 + 5 * 2 * s / h) * 2 + s * (2 * h * 4 + 4 * V / 2)
     )
-    # pp=2, 1F1B, m=4: stage 0 holds min(p - 0, m) = 2 micro-batches of 2 layers
+    # pp=2, 1F1B, m=4: stage 0 holds min(p - 0, m) = 2 microbatches of 2 layers
     kw = dict(microbatches=4, schedule="1f1b")
     s0 = est.layout_memory(CFG, Layout(pp=2), stage=0, **kw)
     s1 = est.layout_memory(CFG, Layout(pp=2), stage=1, **kw)
@@ -140,7 +140,7 @@ def test_layout_traffic_by_hand():
     }
     z3 = est.layout_traffic(CFG, Layout(dp=4), zero_stage=3, precision="bf16")
     assert z3["dp"] == 3 * 3 / 4 * PSI * 2  # 3Ψ in bf16
-    # accumulation over 2 micro-batches: ZeRO-2 reduce-scatters each, gathers once
+    # accumulation over 2 microbatches: ZeRO-2 reduce-scatters each, gathers once
     z2 = est.layout_traffic(CFG, Layout(dp=4), zero_stage=2, microbatches=2)
     assert z2["dp"] == (2 + 1) * 3 / 4 * PSI * 4
     ddp = est.layout_traffic(CFG, Layout(dp=4), microbatches=2)
@@ -151,7 +151,7 @@ def test_layout_traffic_by_hand():
     t = est.layout_traffic(CFG, Layout(tp=2))
     assert t["tp"] == 4 * 4 * S + S + S + 3 * 8 * 4
     assert t["dp"] == 0 and t["pp"] == 0
-    # pp=2, m=4: each stage sends one activation (or gradient) per micro-batch, and
+    # pp=2, m=4: each stage sends one activation (or gradient) per microbatch, and
     # the tied embedding's two copies are summed (all-reduce of 2 ranks: S bytes)
     p = est.layout_traffic(CFG, Layout(pp=2), microbatches=4)
     assert p["pp"] == 4 * S + 32 * 16 * 4
@@ -218,7 +218,7 @@ def cluster(lab_cluster):
 def test_dp_layouts_match_the_measured_accounting(cluster, strategy):
     stage = 0 if strategy == "ddp" else int(strategy[-1])
     runs = cluster.run(_train_dp, strategy, timeout=120)
-    # global batch 8 over 4 ranks: micro-batch 2
+    # global batch 8 over 4 ranks: microbatch 2
     want = est.layout_memory(CFG, Layout(dp=4), zero_stage=stage, micro_batch_size=2)
     traffic = est.layout_traffic(CFG, Layout(dp=4), zero_stage=stage)
     for run in runs:
@@ -281,7 +281,7 @@ LAYOUTS_3D = {
     "dp2-pp2-1f1b": (Layout(dp=2, pp=2), "ddp", {"microbatches": 2}),
     "dp2-pp2-gpipe": (Layout(dp=2, pp=2), "ddp", {"microbatches": 2,
                                                    "schedule": "gpipe"}),
-    # ZeRO reduce-scatters after every (pipeline) micro-batch's backward
+    # ZeRO reduce-scatters after every (pipeline) microbatch's backward
     "dp2-pp2-zero2": (Layout(dp=2, pp=2), "zero2", {"microbatches": 2}),
     "dp4-zero3-accum2": (Layout(dp=4), "zero3", {"grad_accum_steps": 2}),
     # ZeRO-1 keeps full gradients: it accumulates them and reduces once per step
@@ -467,7 +467,7 @@ def test_context_parallelism_splits_activations_and_rings_kv():
     z = est.layout_memory(tiny, est.Parallelism(cp=2), zero_stage=3)
     assert z["params"] == pytest.approx(one["params"] / 2, rel=0.01)
     traffic = est.layout_traffic(tiny, est.Parallelism(cp=2), microbatches=3)
-    # per layer and micro-batch: K and V of the whole sequence, b·s·h_kv each,
+    # per layer and microbatch: K and V of the whole sequence, b·s·h_kv each,
     # (cp-1)/cp of it sent forward, twice that backward; h_kv = 16·2/4 = 8
     kv = 2 * 1 * 8 * 8 * 4  # 2 tensors x b x s x h_kv x 4 bytes
     assert traffic["cp"] == 3 * 2 * 3 * (1 / 2) * kv

@@ -81,7 +81,7 @@ def test_one_rank_trains_exactly_like_the_reference():
 def test_accumulation_on_one_rank_matches_the_large_batch():
     ref = train_reference(CFG, steps=3, global_batch_size=8)
     records = train(TrainConfig(steps=3, global_batch_size=8, grad_accum_steps=4))
-    # 4 micro-batch backward passes add their gradients in another order than one
+    # 4 microbatch backward passes add their gradients in another order than one
     # backward over the batch: equal to float32 rounding, not bit for bit
     for r, want in zip(records, ref.losses):
         assert r["loss"] == pytest.approx(want, rel=1e-5)
@@ -119,7 +119,7 @@ def test_lab_train_streams_records_that_match_the_reference(lab_cluster):
     # every rank reports the same global-batch loss, and holds the same weights ...
     assert len({tuple(v) for v in run.by_rank("loss").values()}) == 1
     assert len({tuple(v) for v in run.by_rank("replica_digest").values()}) == 1
-    # ... while its own micro-batches give it its own local loss
+    # ... while its own microbatches give it its own local loss
     assert len({v[0] for v in run.by_rank("local_loss").values()}) == 4
     ref = train_reference(CFG, steps=6, global_batch_size=8)
     # per-rank means averaged vs one mean over the batch: float32 rounding apart

@@ -42,7 +42,7 @@ def _group(n):
 
 def _train(model, opt, group, steps=STEPS, start=0, micro=1, no_sync=False):
     """AdamW steps on this rank's slice of the global batch; returns the global mean
-    loss of each step (``micro`` > 1: gradient accumulation over micro-batches; with
+    loss of each step (``micro`` > 1: gradient accumulation over microbatches; with
     ``no_sync``, all but the last backward under ``model.no_sync()``)."""
     from dtlab import comm
 
@@ -407,7 +407,7 @@ def test_offload_and_accumulation_change_nothing_but_where_bytes_live(cluster):
     for plain, off in (("plain2", "offload2"), ("plain3_bf16", "offload3_bf16")):
         assert out[off]["losses"] == out[plain]["losses"]
         _assert_params_equal(out[off]["params"], out[plain]["params"])
-    # two micro-batches per step: each backward reduces, the shards accumulate
+    # two microbatches per step: each backward reduces, the shards accumulate
     assert out["accum3"]["losses"] == out["accum0"]["losses"]
     _assert_params_equal(out["accum3"]["params"], out["accum0"]["params"])
     assert out["accum0"]["losses"] == pytest.approx(out["plain2"]["losses"], rel=1e-5)

@@ -21,7 +21,7 @@ Taught in chapter 11 (long context). Sources:
   load-balanced layout (:mod:`.sharding`: rank i holds chunks i and 2·cp-1-i) every
   step but the first does exactly half a block of causal work on every rank.
 
-Per layer and micro-batch each rank sends its K/V block ``cp - 1`` times forward,
+Per layer and microbatch each rank sends its K/V block ``cp - 1`` times forward,
 and backward ``cp - 1`` times again plus ``cp - 1`` hops of the dK/dV accumulators:
 ``3·(cp-1)`` blocks of ``2·b·(s/cp)·h`` values
 (:func:`dtlab.estimate.cp_bytes_per_layer`).

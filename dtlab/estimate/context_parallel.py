@@ -1,7 +1,7 @@
 """Context parallelism: what ring attention and Ulysses send, and what a rank keeps.
 
 Taught in chapter 11 (long context), checked against dtlab.context_parallel's
-measured bytes and saved activations. With b the micro-batch, s the sequence, h the
+measured bytes and saved activations. With b the microbatch, s the sequence, h the
 model width, h_kv the width of K and V (h without grouped-query attention) and cp
 the group:
 
@@ -50,7 +50,7 @@ def cp_bytes_per_layer(
     n_kv_heads: int | None = None,
     bytes_per_value: int = 4,
 ) -> dict[str, float]:
-    """Wire bytes one rank sends for one attention layer and micro-batch, forward
+    """Wire bytes one rank sends for one attention layer and microbatch, forward
     and backward: ``{"forward", "backward", "wire_bytes", "ops"}`` (``ops``: the
     sends (ring) or all-to-alls (Ulysses) of forward + backward)."""
     variant = one_of("context-parallel variant", variant, CP_VARIANTS)
@@ -88,7 +88,7 @@ def cp_bytes_per_step(
 ) -> dict[str, float]:
     """Wire bytes one rank of a cp group sends per optimizer step of a whole model
     (a preset name, a ModelPreset, a ``GPTConfig``): ``{"attention": every layer's
-    ring or all-to-alls, every micro-batch; "gradients": the all-reduce of the
+    ring or all-to-alls, every microbatch; "gradients": the all-reduce of the
     replicated weights' gradients, once per step; "total"}``. Alone on its axis
     (dp = tp = pp = 1); a composed layout reduces the gradients over dp·cp."""
     spec = model_spec(model)

@@ -19,7 +19,7 @@ def ddp_bytes_per_step(n_params: float, n: int, bytes_per_grad: float = 4) -> fl
     This is the ZeRO paper's "data parallelism moves 2Ψ per step" (Rajbhandari et al.
     2020, §7.1): a reduce-scatter (Ψ) and an all-gather (Ψ), each scaled by (N-1)/N.
     Bucketing changes how many calls carry it, not the total. Gradient accumulation
-    divides it per micro-batch: ``no_sync`` skips the all-reduce on all but the last.
+    divides it per microbatch: ``no_sync`` skips the all-reduce on all but the last.
     """
     if n_params < 0:
         raise ValueError(f"n_params must be >= 0, got {n_params}")

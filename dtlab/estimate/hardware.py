@@ -54,7 +54,7 @@ def memory_per_device(
     """Model states (ZeRO, :func:`zero_memory_per_device`) plus activations
     (Korthikanti, :func:`activation_bytes`) per device of a data-parallel job.
 
-    Activations are not sharded by ZeRO: every rank keeps those of its own micro-batch.
+    Activations are not sharded by ZeRO: every rank keeps those of its own microbatch.
     They are 2 bytes per value except under ``precision="fp32"`` (4).
     Returns ``{"params", "grads", "optimizer", "activations", "total"}`` in bytes.
     """

@@ -272,8 +272,8 @@ def layout_memory(
     - Activations: Korthikanti et al. 2022 per layer
       (:func:`activation_bytes_per_layer`: ``sbh(34 + 5as/h)``, tp and sequence
       parallelism, ``checkpointing`` "none" | "selective" | "full"), divided by cp,
-      times the layers of every micro-batch the stage holds at its peak
-      (:func:`pipeline_in_flight`; one micro-batch without pipelining: gradient
+      times the layers of every microbatch the stage holds at its peak
+      (:func:`pipeline_in_flight`; one microbatch without pipelining: gradient
       accumulation runs each backward right after its forward). Full
       checkpointing adds one layer's activations (the one being recomputed, live
       during its backward only); the last stage adds the head's inputs and the
@@ -289,7 +289,7 @@ def layout_memory(
 
     ``precision``: "fp32", or "bf16"/"fp16" (16-bit compute, fp32 master weights,
     2-byte activations), or "pure_bf16". ``microbatches``: per optimizer step and
-    dp rank (pipeline micro-batches, or gradient accumulation without pp).
+    dp rank (pipeline microbatches, or gradient accumulation without pp).
     """
     spec, par = model_spec(model), as_parallelism(layout)
     if zero_stage not in (0, 1, 2, 3):
@@ -328,7 +328,7 @@ def layout_memory(
     )  # fmt: skip
     if stage is not None:
         return _stage_memory(spec, par, stage, **kw)
-    # the most loaded is the first (most layers and micro-batches in flight) or the
+    # the most loaded is the first (most layers and microbatches in flight) or the
     # last (the head); the stages between hold no more than the first
     per_stage = [_stage_memory(spec, par, s, **kw) for s in sorted({0, par.pp - 1})]
     return max(per_stage, key=lambda m: m["total"])
@@ -350,8 +350,8 @@ def _stage_traffic(
     parts = [(dense, group, "dp")]
     if sp["experts"]:  # the experts: over the ranks that hold the same ones (edp)
         parts.append((sp["layers"] * sp["experts"], group // par.ep, "edp"))
-    # ZeRO 2-3 reduce-scatter after every backward (micro-batch, or pipeline
-    # micro-batch); DDP and ZeRO 0-1 accumulate full gradients, sync once per step
+    # ZeRO 2-3 reduce-scatter after every backward (microbatch, or pipeline
+    # microbatch); DDP and ZeRO 0-1 accumulate full gradients, sync once per step
     per_mb = k if zero_stage >= 2 else 1
     for psi, n, axis in parts:
         if n == 1:
@@ -367,7 +367,7 @@ def _stage_traffic(
             + (per_mb if zero_stage == 3 else 1)
             * wire_bytes("all_gather", one["all_gather"], n)
         )
-    tokens = b * s // par.cp  # this rank's tokens of one micro-batch
+    tokens = b * s // par.cp  # this rank's tokens of one microbatch
     first, last = stage == 0, stage == par.pp - 1
     # tp: Megatron's 2 + 2 collectives per block, the vocabulary-parallel
     # embedding (g) and head (f), and the loss's three small fp32 all-reduces
@@ -452,14 +452,14 @@ def layout_traffic(
       (a mixture of experts' experts: over the ``dp·cp/ep`` ranks holding the same
       ones, key ``"edp"``)
       (2Ψ, ZeRO-3 3Ψ, times the ring's (N-1)/N). ZeRO-2 and -3 do not keep the
-      full gradient, so with several micro-batches (gradient accumulation, or a
+      full gradient, so with several microbatches (gradient accumulation, or a
       pipeline's) they pay their reduce-scatter (and ZeRO-3 its gathers) per
-      micro-batch; DDP and ZeRO-0/1 accumulate and pay once per step.
-    - tp: :func:`tp_bytes_per_layer` per block and micro-batch (2 + 2 all-reduces,
+      microbatch; DDP and ZeRO-0/1 accumulate and pay once per step.
+    - tp: :func:`tp_bytes_per_layer` per block and microbatch (2 + 2 all-reduces,
       or their all-gather/reduce-scatter halves under sequence parallelism), plus
       the vocabulary-parallel embedding and head and the loss's three all-reduces
       of ``b·s`` values.
-    - pp: one activation forward and one gradient backward per micro-batch at
+    - pp: one activation forward and one gradient backward per microbatch at
       every stage boundary the rank owns (``chunks`` per rank when interleaved),
       plus the tied-embedding all-reduce between the first and the last stage
       (under ZeRO, of the reduced fp32 slices).

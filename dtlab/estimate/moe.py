@@ -2,7 +2,7 @@
 assignments and the imbalance factor.
 
 Taught in chapter 11 (mixture of experts), checked against dtlab.moe's measured
-bytes and routing. Per MoE layer and micro-batch a rank of the ep group with
+bytes and routing. Per MoE layer and microbatch a rank of the ep group with
 ``tokens`` tokens and top-k routing has ``k·tokens`` assignments, of which the
 capacity keeps some (GShard §2.2). The kept rows go to their expert's rank
 (dispatch) and their outputs come back (combine), ``h`` values a row; backward runs
@@ -50,7 +50,7 @@ def ep_bytes_per_layer(
     bytes_per_value: int = 4,
     kept_fraction: float = 1.0,
 ) -> dict[str, float]:
-    """Wire bytes one ep rank sends for one MoE layer and micro-batch of
+    """Wire bytes one ep rank sends for one MoE layer and microbatch of
     ``tokens`` tokens, *under uniform routing* (each expert gets the same rows):
     ``{"dispatch", "combine"}`` (each of the two forward; backward sends as much
     again, transposed), ``"counts"`` (the all-gather of row counts, forward only),

@@ -156,9 +156,9 @@ def layout_step_time(
       :func:`recompute_overhead` (full: a forward; selective: the score matmuls).
     - Tensor parallelism: the collectives of :func:`tp_step_time`, on the critical
       path; context parallelism's K/V ring and expert parallelism's all-to-alls
-      likewise (:func:`collective_time` each); pipeline sends, one per micro-batch
+      likewise (:func:`collective_time` each); pipeline sends, one per microbatch
       and boundary. Each on the intra-node link if its group fits in a node.
-    - The pipeline: :func:`pipeline_step_time` with those per-micro-batch times;
+    - The pipeline: :func:`pipeline_step_time` with those per-microbatch times;
       its excess over ``m·(t_f + t_b)`` is the bubble.
     - Data parallelism: :func:`zero_comm_per_step`'s collectives; ``dp_overlap``
       of them hide behind the last backward (chapter 02's overlap), the rest is
@@ -181,7 +181,7 @@ def layout_step_time(
     v = chunks if key == "interleaved" else 1
     rate = gpu.peak_bf16_flops * mfu
     layers = stage_layers(spec.n_layers, par.pp, 0)  # the most loaded stage
-    # compute of one micro-batch through this stage
+    # compute of one microbatch through this stage
     layer_flops = tp_layer_flops(b, s, h, _flops_d_ff(spec)) / (t * par.cp)
     checkpointing = one_of("checkpointing", checkpointing, RECOMPUTE)
     # chapter 08's price of recomputation, a share of the layer's 3F
@@ -189,7 +189,7 @@ def layout_step_time(
     flops = layers * (layer_flops + recompute)
     flops += 6 * b * s * h * spec.vocab_size / (t * par.cp) / par.pp  # head, spread
     compute_mb = flops / rate
-    # communication on the critical path, per micro-batch
+    # communication on the critical path, per microbatch
     tokens = b * s // par.cp
     comm_mb = 0.0
     if t > 1:
@@ -229,7 +229,7 @@ def layout_step_time(
     else:
         step = m * (t_f + t_b)
     bubble = step - m * (t_f + t_b)
-    # data parallelism: once per step (ZeRO 2-3: reductions per micro-batch);
+    # data parallelism: once per step (ZeRO 2-3: reductions per microbatch);
     # expert weights only among the dp·cp/ep ranks that hold the same experts
     group = par.dp * par.cp
     dp_s = 0.0
@@ -307,13 +307,13 @@ def plan(
 
     Every combination of tp (a divisor of the heads, at most ``max_tp``, default
     two nodes' worth), pp (at most one stage per layer), cp and ep (from the
-    options), dp (the rest of ``n_gpus``), ZeRO stage, micro-batch size,
+    options), dp (the rest of ``n_gpus``), ZeRO stage, microbatch size,
     activation checkpointing and pipeline schedule is priced with
     :func:`layout_memory` (bytes per device by category, most loaded stage) and
     :func:`layout_step_time` (compute, communication, bubble). A layout fits if
     its total stays under ``(1 - memory_reserve)`` of the GPU's memory (the rest
     goes to the CUDA context, allocator fragmentation and communication buffers).
-    Micro-batches per step ``m = global_batch / (dp · micro_batch)`` must be a
+    Microbatches per step ``m = global_batch / (dp · micro_batch)`` must be a
     whole number, and at least pp with a pipeline. ``sequence_parallel`` applies
     whenever tp > 1. ``states="paper"`` accounting (ZeRO §5.1) is used, the
     numbers an interviewer expects.

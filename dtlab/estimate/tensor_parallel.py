@@ -113,7 +113,7 @@ def tp_step_time(
     bytes_per_value: float = 2,
     sequence_parallel: bool = False,
 ) -> dict[str, float]:
-    """Time of one micro-batch through ``n_layers`` tensor-parallel layers when the
+    """Time of one microbatch through ``n_layers`` tensor-parallel layers when the
     tp group talks over ``link`` (a key of :data:`LINKS`, or a :class:`Link`).
 
     Compute: :func:`tp_layer_flops` ``/ t`` at ``mfu`` of ``peak_flops`` (default an

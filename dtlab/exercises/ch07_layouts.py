@@ -1,7 +1,7 @@
 """Chapter 07's exercises: defend a 3D layout with numbers, and the rank order.
 
 1. ``layout_defence``: the learner chooses ``dp × tp × pp``, a ZeRO stage, activation
-   checkpointing, sequence parallelism and the micro-batch size for LLaMA-2 70B on
+   checkpointing, sequence parallelism and the microbatch size for LLaMA-2 70B on
    64 H100s, and answers the four questions *in numbers*: bytes per GPU by category,
    wire bytes per GPU per step on each axis, the bubble, the axis that dominates
    the traffic. The plan must use the 64 GPUs, keep tp inside a node, fit in 90 %
@@ -125,7 +125,7 @@ def check_layout_defence(solution, cluster=None):
     except ValueError as exc:
         raise ExerciseFailed(str(exc)) from None
     if GLOBAL_BATCH % (lay.dp * plan["micro_batch_size"]):
-        raise ExerciseFailed("dp × micro-batch size must divide the batch of 256")
+        raise ExerciseFailed("dp × microbatch size must divide the batch of 256")
     got = _numbers(plan)
     usable = 0.9 * GPU.memory_bytes
     if got["memory"]["total"] > usable:

@@ -8,10 +8,10 @@ Both run in this process (each rank would do the same thing alone).
    modules count two calls, one in the forward and one in the recomputation), and
    no more bytes saved for backward than dtlab's full recomputation saves
    (:class:`dtlab.memory.SavedBytes`).
-2. ``accumulation``: micro-batches of *unequal* sizes; the gradient left in
+2. ``accumulation``: microbatches of *unequal* sizes; the gradient left in
    ``.grad`` must be the mean loss's over every sample, and the activations held at
    once (live :class:`dtlab.memory.SavedBytes`) no more than the largest
-   micro-batch's.
+   microbatch's.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def check_checkpointing(solution, cluster=None):
 
 
 # ---- 2. accumulation ---------------------------------------------------------------
-SIZES = (4, 2, 6)  # unequal micro-batches: a plain 1/k weighting is wrong
+SIZES = (4, 2, 6)  # unequal microbatches: a plain 1/k weighting is wrong
 
 
 def _accumulation_model() -> nn.Sequential:
@@ -181,8 +181,8 @@ def _activation_peak(model, x, y) -> int:
     reference=accumulate_gradients,
     local=True,
     measures=(
-        "micro-batches of 4, 2 and 6 samples: .grad == the mean loss's gradient "
-        "over all 12; activations held at once ≤ the largest micro-batch's"
+        "microbatches of 4, 2 and 6 samples: .grad == the mean loss's gradient "
+        "over all 12; activations held at once ≤ the largest microbatch's"
     ),
 )
 def check_accumulation(solution, cluster=None):
@@ -201,8 +201,8 @@ def check_accumulation(solution, cluster=None):
     if peak[0] > largest:
         raise ExerciseFailed(
             f"{peak[0]} bytes of activations were held at once, more than the "
-            f"largest micro-batch's {largest}: all micro-batches were alive "
-            "together. Call backward after each micro-batch's forward."
+            f"largest microbatch's {largest}: all microbatches were alive "
+            "together. Call backward after each microbatch's forward."
         )
     k = len(batches)
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
@@ -210,24 +210,24 @@ def check_accumulation(solution, cluster=None):
             raise ExerciseFailed(f"{name} has no gradient")
         if torch.allclose(p.grad, q.grad, atol=1e-6):
             continue
-        last = _accumulation_model()  # what zero_grad between micro-batches leaves
+        last = _accumulation_model()  # what zero_grad between microbatches leaves
         nn.functional.mse_loss(last(batches[-1][0]), batches[-1][1]).backward()
         g_last = dict(last.named_parameters())[name].grad
         share = batches[-1][0].shape[0] / x.shape[0]
         if any(torch.allclose(p.grad, g_last * w, atol=1e-6) for w in (share, 1 / k)):
             raise ExerciseFailed(
-                "only the last micro-batch's gradient is left: no zero_grad between "
-                "micro-batches, their gradients must add up in .grad."
+                "only the last microbatch's gradient is left: no zero_grad between "
+                "microbatches, their gradients must add up in .grad."
             )
         raise ExerciseFailed(
             f"the gradient of {name} is not the mean loss's over all "
-            f"{x.shape[0]} samples. With micro-batches of {list(SIZES)} samples, "
-            f"weight each micro-batch's mean loss by its share of the samples "
+            f"{x.shape[0]} samples. With microbatches of {list(SIZES)} samples, "
+            f"weight each microbatch's mean loss by its share of the samples "
             f"(b_i / {x.shape[0]}), not by 1/{k}, and add the gradients up."
         )
     return [
         f"the gradient equals the mean loss's over {x.shape[0]} samples in "
-        f"micro-batches of {list(SIZES)}",
+        f"microbatches of {list(SIZES)}",
         f"at most {peak[0]} B of activations held at once (the largest "
-        f"micro-batch's: {largest} B)",
+        f"microbatch's: {largest} B)",
     ]

@@ -73,23 +73,23 @@ def saves_memory_with_no_grad(model):
 # ---- accumulation ------------------------------------------------------------------
 @mistake("accumulation", expect="not by 1/3")
 def divides_by_the_number_of_micro_batches(model, micro_batches, loss_fn):
-    """loss / k: right only when every micro-batch has the same size."""
+    """loss / k: right only when every microbatch has the same size."""
     for x, y in micro_batches:
         (loss_fn(model(x), y) / len(micro_batches)).backward()
 
 
-@mistake("accumulation", expect="Call backward after each micro-batch")
+@mistake("accumulation", expect="Call backward after each microbatch")
 def one_backward_of_the_summed_losses(model, micro_batches, loss_fn):
     """Sums the weighted losses and calls backward once: right gradient, every
-    micro-batch's activations alive at once (no memory saved at all)."""
+    microbatch's activations alive at once (no memory saved at all)."""
     total = sum(x.shape[0] for x, _ in micro_batches)
     loss = sum(loss_fn(model(x), y) * x.shape[0] / total for x, y in micro_batches)
     loss.backward()
 
 
-@mistake("accumulation", expect="only the last micro-batch")
+@mistake("accumulation", expect="only the last microbatch")
 def zeroes_before_each_micro_batch(model, micro_batches, loss_fn):
-    """Zeroes the gradients before every micro-batch, as a training step would."""
+    """Zeroes the gradients before every microbatch, as a training step would."""
     total = sum(x.shape[0] for x, _ in micro_batches)
     for x, y in micro_batches:
         model.zero_grad()
@@ -98,7 +98,7 @@ def zeroes_before_each_micro_batch(model, micro_batches, loss_fn):
 
 @mistake("accumulation", expect="is not the mean loss's")
 def sums_the_mean_losses(model, micro_batches, loss_fn):
-    """Adds each micro-batch's mean loss unweighted: k times too much, and the
-    small micro-batches count as much as the big ones."""
+    """Adds each microbatch's mean loss unweighted: k times too much, and the
+    small microbatches count as much as the big ones."""
     for x, y in micro_batches:
         loss_fn(model(x), y).backward()

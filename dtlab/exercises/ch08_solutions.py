@@ -1,5 +1,5 @@
 """Chapter 08's reference solutions: activation checkpointing per block (Chen et
-al. 2016) and gradient accumulation over micro-batches of unequal size.
+al. 2016) and gradient accumulation over microbatches of unequal size.
 ``dtlab.exercises.solution(name)`` shows each; :mod:`.ch08_memory` checks a
 learner's against them."""
 
@@ -28,9 +28,9 @@ def checkpoint_blocks(model):
 def accumulate_gradients(model, micro_batches, loss_fn):
     """Leave in ``.grad`` the gradient of the mean loss over every sample of
     ``micro_batches`` (``(x, y)`` pairs of *unequal* sizes), holding one
-    micro-batch's activations at a time: backward after each forward, each loss
-    (a mean over its micro-batch) weighted by its share of the samples."""
+    microbatch's activations at a time: backward after each forward, each loss
+    (a mean over its microbatch) weighted by its share of the samples."""
     total = sum(x.shape[0] for x, _ in micro_batches)
     for x, y in micro_batches:
-        loss = loss_fn(model(x), y)  # the mean over this micro-batch
+        loss = loss_fn(model(x), y)  # the mean over this microbatch
         (loss * x.shape[0] / total).backward()  # gradients add up in .grad

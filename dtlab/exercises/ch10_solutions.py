@@ -27,7 +27,7 @@ def drill_answers():
         "ddp_traffic/slower_network": (
             "Each all-reduce takes 4x as long. Less of it hides behind the backward, "
             "so the communication is exposed and the step slows down; I would "
-            "accumulate gradients over more micro-batches (fewer all-reduces per "
+            "accumulate gradients over more microbatches (fewer all-reduces per "
             "sample) and use bigger buckets."
         ),
         "zero_stages": (

@@ -72,7 +72,7 @@ def world() -> tuple[int, int]:
 
 def check_job(config, what: str) -> None:
     """Raise ``ValueError`` unless ``config`` is a job the framework runs take: data
-    parallelism over the whole world, one micro-batch per step, no clipping
+    parallelism over the whole world, one microbatch per step, no clipping
     schedule they cannot express (what each framework supports is its own
     module's business; this is what they all share)."""
     _, n = world()
@@ -84,7 +84,7 @@ def check_job(config, what: str) -> None:
         )
     if config.grad_accum_steps != 1:
         raise ValueError(
-            f"{what} runs one micro-batch per step: use grad_accum_steps=1, not "
+            f"{what} runs one microbatch per step: use grad_accum_steps=1, not "
             f"{config.grad_accum_steps}"
         )
     if config.activation_checkpointing != "none":

@@ -61,7 +61,7 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _plain_data_parallel(config, world_size: int, what: str):
-    """The layout (dp only) and micro-batch of a config the frameworks can take."""
+    """The layout (dp only) and microbatch of a config the frameworks can take."""
     layout = config.check(world_size)
     if layout.tp > 1 or layout.pp > 1:
         raise ValueError(

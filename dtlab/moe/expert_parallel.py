@@ -8,7 +8,7 @@ and the all-to-all back (combine). Fedus et al. 2021, §2.2 and Figure 3: each r
 routes its own tokens with its own capacity.
 
 The ep ranks are data-parallel ranks as well (ep is folded into dp): each routes a
-different micro-batch. Per MoE layer a rank
+different microbatch. Per MoE layer a rank
 
 1. tells every rank how many rows it sends to each expert (an all-gather of its
    ``(E,)`` counts; every rank then knows the whole ``(ep, E)`` matrix, so the

@@ -23,7 +23,7 @@ Communication per step (§7): an all-reduce is a reduce-scatter plus an all-gath
 3Ψ. :func:`dtlab.estimate.zero_comm_per_step` has the numbers, the tests check them.
 
 Gradient accumulation: stages 0 and 1 keep the full gradient anyway, so under
-``no_sync`` they add each micro-batch's gradient into it and communicate once per
+``no_sync`` they add each microbatch's gradient into it and communicate once per
 step, like DDP. Stages 2 and 3 exist to *not* hold the full gradient, so they
 reduce-scatter after every backward and add the slices; ``no_sync`` refuses them
 (DeepSpeed's engine refuses it for its stages 2 and 3 too).

@@ -170,7 +170,7 @@ class FullyShardedDataParallel(ShardedState):
                 raise RuntimeError(
                     "the optimizer would step with gradients that backward passes "
                     "under no_sync() accumulated but nobody reduced: run the last "
-                    "micro-batch's backward outside no_sync(), or call "
+                    "microbatch's backward outside no_sync(), or call "
                     "reduce_gradients() before the step"
                 )
 
@@ -349,7 +349,7 @@ class FullyShardedDataParallel(ShardedState):
 
     def _drop_full_grads(self) -> None:
         """Stages 0-1 keep a unit's full gradient bucket from its reduction until
-        the optimizer step, like DDP (and across the micro-batches of a step under
+        the optimizer step, like DDP (and across the microbatches of a step under
         :meth:`no_sync`)."""
         if self._unsynced:
             return  # accumulating: the buckets hold this step's sum so far
@@ -387,7 +387,7 @@ class FullyShardedDataParallel(ShardedState):
         first backward outside (or :meth:`reduce_gradients`) reduces the sum once.
         Stages 0 and 1 only: they hold the full gradient anyway. Stages 2 and 3
         reduce-scatter every backward, since keeping the full gradient across
-        micro-batches would undo their saving."""
+        microbatches would undo their saving."""
         if self.sharding.shards_grads:
             raise RuntimeError(
                 f"no_sync() needs ZeRO stage 0 or 1: stage {self.stage} shards the "
@@ -404,7 +404,7 @@ class FullyShardedDataParallel(ShardedState):
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Reduce what backward passes under :meth:`no_sync` accumulated, now (a
-        pipeline runs every micro-batch's backward under ``no_sync`` and calls this
+        pipeline runs every microbatch's backward under ``no_sync`` and calls this
         once after its last flush). Blocks until the shards' gradients are set."""
         if not self._unsynced:
             return

@@ -14,8 +14,8 @@ stage   the paper   what it adds, and where the code does it
                     gradients are reduce-scattered, the updated slices
                     all-gathered (``units.py``, ``reduce.py``, ``gather.py``)
 2       P_os+g      ``shards_grads``: a unit's full gradient bucket is freed as
-        §5.2        soon as its reduce-scatter is done, micro-batch by
-                    micro-batch (``reduce.py``)
+        §5.2        soon as its reduce-scatter is done, microbatch by
+                    microbatch (``reduce.py``)
 3       P_os+g+p    ``shards_params``: a unit's full weights exist only around its
         §5.3        forward and backward: gathered, used, freed (``fsdp.py``'s
                     P_os+g+p section, ``gather.py``)
@@ -23,7 +23,7 @@ stage   the paper   what it adds, and where the code does it
 
 ``keeps_full_grads`` is the other side of ``shards_grads``: stages 0 and 1 hold the
 full gradient anyway, so they keep it until the optimizer step (the module's
-``.grad`` are views of it) and may accumulate micro-batches in it under ``no_sync``.
+``.grad`` are views of it) and may accumulate microbatches in it under ``no_sync``.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def tp_traffic(ctx: Context) -> Measurement:
         "bytes",
         "live",
         f"One forward+backward at tp=2 sent {wire:,.0f} bytes per rank (predicted "
-        f"{want:,.0f}): every layer, every micro-batch. Scaled to a 70B layer stack "
+        f"{want:,.0f}): every layer, every microbatch. Scaled to a 70B layer stack "
         f"at tp=8, communication is {fast['comm_fraction']:.0%} of the time over "
         f"NVLink and {slow['comm_fraction']:.0%} over 100 Gb/s Ethernet.",
         predicted=want,
@@ -144,7 +144,7 @@ def pipeline_bubble(ctx: Context) -> Measurement:
         "fraction",
         "simulate",
         f"Simulated 1F1B on p=4 stages: the bubble is {few:.0%} of the step with "
-        f"m=4 micro-batches, {many:.0%} with m=16, and {inter:.0%} with m=4 "
+        f"m=4 microbatches, {many:.0%} with m=16, and {inter:.0%} with m=4 "
         f"interleaved over v=2 chunks; (p-1)/(m+p-1) predicts "
         f"{estimate.pipeline_bubble_fraction(4, 4):.0%} and "
         f"{estimate.pipeline_bubble_fraction(4, 16):.0%}.",
@@ -217,10 +217,10 @@ def one_f_one_b_in_flight(ctx: Context) -> Measurement:
     }
     return Measurement(
         peak["1f1b"],
-        "micro-batches",
+        "microbatches",
         "simulate",
-        f"p=4 stages, m=8 micro-batches: GPipe keeps the activations of "
-        f"{peak['gpipe']} micro-batches on the first stage, 1F1B of {peak['1f1b']} "
+        f"p=4 stages, m=8 microbatches: GPipe keeps the activations of "
+        f"{peak['gpipe']} microbatches on the first stage, 1F1B of {peak['1f1b']} "
         f"(at most p), with the same bubble.",
         predicted=estimate.pipeline_in_flight(p, 0, m, "1f1b"),
     )

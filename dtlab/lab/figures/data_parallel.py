@@ -43,7 +43,7 @@ def loss_figure(
     col: int | None = None,
 ) -> go.Figure:
     """Loss against step, one line per rank, from ``"step"`` records (events, or the
-    records themselves). ``key="local_loss"`` shows each rank's own micro-batches
+    records themselves). ``key="local_loss"`` shows each rank's own microbatches
     instead of the global-batch loss. ``reference``: the single-process losses of
     :func:`dtlab.reference.train_reference`, dashed. Usable with
     :class:`LiveFigure` (``LiveFigure(loss_figure)``)."""

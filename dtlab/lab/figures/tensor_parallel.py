@@ -147,6 +147,6 @@ def tp_step_time_figure(times: Mapping[str, Mapping[str, float]], title=None):
             textposition="outside",
         )
     fig.update_layout(
-        barmode="stack", height=380, yaxis_title="ms per micro-batch", title=title
+        barmode="stack", height=380, yaxis_title="ms per microbatch", title=title
     )
     return fig
