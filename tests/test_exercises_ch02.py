@@ -14,14 +14,13 @@ place.
 import pytest
 
 from dtlab import exercises
-from dtlab.exercises import REGISTRY, ExerciseFailed
+from dtlab.exercises import REGISTRY
 from dtlab.exercises.ch02_data_parallel import STEPS
 from dtlab.exercises.ch02_torch_ddp import rounding_bounds
 
 pytestmark = pytest.mark.cluster
 
 EXERCISE = REGISTRY["torch_ddp"]
-MISTAKES = [pytest.param(m, id=m.name) for m in EXERCISE.mistakes]
 
 
 def test_torch_ddp_is_a_chapter_2_exercise_with_four_mistakes():
@@ -35,13 +34,6 @@ def test_checker_accepts_its_reference_on_four_ranks(lab_cluster):
     assert report.passed, report
     assert any("fed its own 6 of the 24 rows" in line for line in report.lines)
     assert any("all-reduced the 11,680 gradient bytes" in line for line in report.lines)
-
-
-@pytest.mark.parametrize("mistake", MISTAKES)
-def test_checker_rejects_the_mistake(mistake, lab_cluster):
-    with pytest.raises(ExerciseFailed) as failed:
-        exercises.check_torch_ddp(mistake.solution, lab_cluster(4))
-    assert mistake.expect in str(failed.value), str(failed.value)
 
 
 def test_bit_for_bit_on_two_ranks(lab_cluster):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dtlab import exercises
-from dtlab.exercises import REGISTRY, ExerciseFailed
+from dtlab.exercises import REGISTRY
 from dtlab.exercises.ch03_fsdp2 import FSDP2_GPT, fsdp2_budget
 from dtlab.lab.shipping import ship_by_value
 from dtlab.model import GPT
@@ -24,7 +24,6 @@ from dtlab.model import GPT
 pytestmark = pytest.mark.cluster
 
 EXERCISE = REGISTRY["fully_shard"]
-MISTAKES = [pytest.param(m, id=m.name) for m in EXERCISE.mistakes]
 
 
 def test_fully_shard_is_a_chapter_3_exercise_with_its_mistakes():
@@ -68,13 +67,6 @@ def test_an_explicit_reshard_of_the_root_fits_the_budget_too(lab_cluster):
     report = exercises.check_fully_shard(root_resharded_too, lab_cluster(4))
     assert report.passed, report
     assert any("10 all-gathers" in line for line in report.lines), report
-
-
-@pytest.mark.parametrize("mistake", MISTAKES)
-def test_checker_rejects_the_mistake(mistake, lab_cluster):
-    with pytest.raises(ExerciseFailed) as failed:
-        exercises.check_fully_shard(mistake.solution, lab_cluster(4))
-    assert mistake.expect in str(failed.value), str(failed.value)
 
 
 def stub(model, mesh):

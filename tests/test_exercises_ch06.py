@@ -1,9 +1,7 @@
 """Chapter 06's framework exercise, one step of ``torch.autocast`` +
-``torch.amp.GradScaler``, is proven like the others (tests/test_exercises.py): its
-checker accepts the reference and right steps written differently, and rejects
-every wrong step of its catalogue with the message the catalogue names. It runs in
-this process (no cluster), so this file runs in seconds; so does the underflow
-exercise, proven here too.
+``torch.amp.GradScaler``, is proven like the others in tests/test_exercises.py (its
+reference accepted, every wrong step of its catalogue rejected with the message the
+catalogue names); here, right steps written differently are accepted.
 
 Beyond the catalogue: the step the checker forces to overflow really is skipped by
 GradScaler and its schedule is dtlab's :class:`~dtlab.amp.LossScaler` rule, a stub
@@ -15,15 +13,8 @@ import pytest
 import torch
 
 from dtlab import amp, exercises
-from dtlab.exercises import REGISTRY, ExerciseFailed
+from dtlab.exercises import REGISTRY
 from dtlab.exercises import ch06_mixed_precision as ch06
-
-LOCAL = ["underflow", "autocast_step"]
-MISTAKES = [
-    pytest.param(name, m, id=f"{name}-{m.name}")
-    for name in LOCAL
-    for m in REGISTRY[name].mistakes
-]
 
 
 @pytest.fixture(autouse=True)
@@ -40,19 +31,6 @@ def test_the_framework_exercise_is_local_with_its_catalogue():
     assert len(ex.mistakes) >= 4 and all(m.why for m in ex.mistakes)
     assert ex.checker is ch06.check_autocast_step
     assert exercises.check_autocast_step is ch06.check_autocast_step
-
-
-@pytest.mark.parametrize("name", LOCAL)
-def test_checker_accepts_its_reference(name):
-    report = REGISTRY[name].checker(REGISTRY[name].reference)
-    assert report.passed and report.lines, report
-
-
-@pytest.mark.parametrize("name,mistake", MISTAKES)
-def test_checker_rejects_the_mistake(name, mistake):
-    with pytest.raises(ExerciseFailed) as failed:
-        REGISTRY[name].checker(mistake.solution)
-    assert mistake.expect in str(failed.value), str(failed.value)
 
 
 # ---- right steps, written differently from the reference ---------------------------
