@@ -21,8 +21,9 @@ give the whole thing in the unwrapped model's names, for export or comparison.
 Under DDP every rank holds the same state, so one rank writes it
 (:func:`save_replicated`) and any number of ranks reads it back. :func:`save_training`
 and :func:`load_training` do either for a :class:`dtlab.train.Trainer`, with the step
-counter and each rank's random state, so that a run stopped at step k and resumed
-gives the same loss curve as one that never stopped.
+counter and each rank's random state (torch's generators and tensor parallelism's
+dropout streams: :meth:`dtlab.train.Trainer.random_state`), so that a run stopped at
+step k and resumed gives the same loss curve as one that never stopped, dropout on.
 """
 
 from __future__ import annotations
@@ -328,6 +329,10 @@ def _reshardable(trainer) -> str | None:
     return "replicated" if trainer.parts.zero_stage is None else "sharded"
 
 
+def _sizes(layout) -> dict[str, int]:
+    return {a: getattr(layout, a) for a in ("dp", "tp", "pp", "cp", "ep")}
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -348,7 +353,7 @@ def save_training(path, trainer) -> str:
     info = {
         "step": trainer.step,
         "config": trainer.config.to_dict(),
-        "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
+        "layout": _sizes(layout),
         "reshardable": _reshardable(trainer),
     }
     rank = _rank()
@@ -397,10 +402,9 @@ def load_training(path, trainer) -> int:
             f"the checkpoint was saved from {was} run "
             f"(strategy={saved['config']['strategy']!r}): load it with that strategy"
         )
-    layout = trainer.topo.layout
-    here = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+    here = _sizes(trainer.topo.layout)
     own = os.path.join(path, f"trainer{_rank():05d}.pt")
-    if saved["layout"] == here:
+    if {"cp": 1, "ep": 1, **saved["layout"]} == here:  # older ones: dp, tp, pp
         payload = torch.load(own, weights_only=False)  # our own file: config dicts
         trainer.load_state_dict(payload["state"])
         trainer.records = list(payload["records"])

@@ -87,33 +87,31 @@ class _Recomputed:
 
 def _replay_generators(rngs: list):
     """``context_fn`` for :func:`checkpoint`: the forward context remembers the
-    state of every explicit generator; the recompute context runs on *copies* set
-    back to that state, so recomputed masks equal the forward's and the real
-    streams are not advanced a second time."""
+    state of every explicit generator (:meth:`TPRandom.get_states
+    <dtlab.tensor_parallel.TPRandom.get_states>`); the recompute context sets them
+    back to it, so recomputed masks equal the forward's, and afterwards returns
+    them to where the real streams were, so they are not advanced a second time."""
 
     def context_fn():
         saved: list[dict] = []
 
         @contextmanager
         def forward():
-            saved[:] = [{k: g.get_state() for k, g in r._gens.items()} for r in rngs]
+            saved[:] = [r.get_states() for r in rngs]
             yield
 
         @contextmanager
         def recompute():
-            real = [r._gens for r in rngs]
+            real = [r.get_states() for r in rngs]
             for r, states in zip(rngs, saved, strict=True):
-                copies = {}
-                for key, state in states.items():
-                    copies[key] = torch.Generator(device=key[1]).set_state(state)
-                # a generator created lazily during the forward is created (from
-                # its seed, so in the same state) again during the recompute
-                r._gens = copies
+                # a stream first drawn from inside the forward is missing from
+                # ``saved``: it starts again from its seed, as it did then
+                r.set_states(states)
             try:
                 yield
             finally:
-                for r, gens in zip(rngs, real, strict=True):
-                    r._gens = gens
+                for r, states in zip(rngs, real, strict=True):
+                    r.set_states(states)
 
         return forward(), recompute()
 
@@ -121,12 +119,13 @@ def _replay_generators(rngs: list):
 
 
 def _explicit_rngs(module: nn.Module) -> list:
-    """TPRandom-like objects (``rng._gens``: key -> torch.Generator) used by the
-    module's dropouts, each once."""
+    """The explicit random streams the module's dropouts draw from (a ``.rng`` with
+    ``get_states``/``set_states``: tensor parallelism's
+    :class:`~dtlab.tensor_parallel.TPRandom`), each once."""
     found: dict[int, object] = {}
     for m in module.modules():
         rng = getattr(m, "rng", None)
-        if isinstance(getattr(rng, "_gens", None), dict):
+        if callable(getattr(rng, "get_states", None)):
             found[id(rng)] = rng
     return list(found.values())
 

@@ -28,9 +28,21 @@ engines (``dtlab.lab.training.train(cluster, config)``), under
    batch (the local losses averaged over the data-parallel ranks), the number to
    compare with :func:`dtlab.reference.train_reference`.
 
+Random state: a trainer seeds every generator its dropouts draw from, from
+``config.seed`` and this rank's coordinates, when it is built: torch's (the CPU's,
+and this rank's GPU's; context and expert parallelism draw from it too) and tensor
+parallelism's two streams (:class:`~dtlab.tensor_parallel.TPRandom`, from every
+coordinate but tp, so a tp group keeps one replicated stream). Two runs of one
+config then draw the same masks on every rank at every layout, and each dp replica
+and pipeline stage draws its own (Megatron offsets its seed by the pipeline
+stage; without an offset by the dp rank, as Megatron's default, the replicas would
+drop the same positions of different sequences).
+
 Resuming: :meth:`Trainer.state_dict` is this rank's whole training state (its
-shards, optimizer, loss scaler, step, random state); a fresh trainer of the same
-config at the same coordinates continues from it with the same losses.
+shards, optimizer, loss scaler, step, and random state: torch's generators and the
+tensor-parallel streams, as torchtitan's and Megatron's checkpoints keep them); a
+fresh trainer of the same config at the same coordinates continues from it with
+the same losses, dropout on or off.
 """
 
 from __future__ import annotations
@@ -46,13 +58,14 @@ from dtlab.config import TrainConfig, check_strategy
 from dtlab.context_parallel import shard_sequence
 from dtlab.events import CHECKPOINTING, PRECISIONS, SCHEDULES, STRATEGIES, Kind, Span
 from dtlab.memory import SavedBytes
-from dtlab.model import SyntheticTokens, shard_batch
+from dtlab.model import SyntheticTokens, param_generator, shard_batch
 from dtlab.parallelize import (
     Parallelized,
     parallelize,
     reduce_expert_gradients,
     replica_axis,
 )
+from dtlab.tensor_parallel import TPRandom
 from dtlab.topology import Topology
 
 __all__ = [
@@ -118,6 +131,14 @@ class Trainer:
         self.records: list[dict] = []
         self.step = 0
         self._counted_steps, self._activation_peak = 0, 0
+        # every generator this rank's dropouts draw from, seeded from the config
+        # and this rank's place: TP's streams from every coordinate but tp (one
+        # replicated stream per tp group), torch's from all of them
+        self._streams = _random_streams(self.parts.modules)
+        group = {a: i for a, i in topo.coords.items() if a != "tp"}
+        for stream in self._streams:
+            stream.manual_seed(rank_seed(config.seed, group))
+        torch.manual_seed(rank_seed(config.seed, topo.coords))  # CPU and GPUs
 
     @property
     def model(self):
@@ -325,18 +346,48 @@ class Trainer:
         """``{name in GPT: full tensor}`` of this rank's stage (parity tests)."""
         return self.parts.full_parameters()
 
+    def random_state(self) -> dict:
+        """This rank's random state: torch's CPU generator, its GPU's (under nccl)
+        and the explicit streams of the model (tensor parallelism's, in module
+        order). Copies."""
+        cuda = self.device.type == "cuda"
+        return {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(self.device) if cuda else None,
+            "streams": [s.get_states() for s in self._streams],
+        }
+
+    def set_random_state(self, state) -> None:
+        """Put :meth:`random_state` back (of this rank, same config)."""
+        if torch.is_tensor(state):  # saved before the streams were saved too
+            state = {"torch": state, "cuda": None, "streams": None}
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+        streams = state["streams"]
+        if streams is not None:
+            if len(streams) != len(self._streams):
+                raise ValueError(
+                    f"the random state holds {len(streams)} explicit streams, this "
+                    f"trainer's model draws from {len(self._streams)}: load the "
+                    "state of a trainer built with the same config"
+                )
+            for stream, states in zip(self._streams, streams):
+                stream.set_states(states)
+
     def state_dict(self) -> dict:
         """Everything this rank needs to continue the run: its model state (its
         shards, under ZeRO, TP or PP), its optimizer state (master weights and the
-        loss scaler under 16 bits), the step counter and the random state. Per
-        rank: every rank saves its own, and loads it back into a trainer built with
-        the same config at the same coordinates; :meth:`fit` then continues with
-        the losses of the run that never stopped."""
+        loss scaler under 16 bits), the step counter and the random state
+        (:meth:`random_state`). Per rank: every rank saves its own, and loads it
+        back into a trainer built with the same config at the same coordinates;
+        :meth:`fit` then continues with the losses of the run that never
+        stopped."""
         return {
             "step": self.step,
             "config": self.config.to_dict(),
             "coords": dict(self.topo.coords),
-            "rng": torch.get_rng_state(),
+            "rng": self.random_state(),
             "parts": self.parts.state_dict(),
         }
 
@@ -358,8 +409,28 @@ class Trainer:
                 f"{self.topo.coords}: load each rank's own state"
             )
         self.parts.load_state_dict(state["parts"])
-        torch.set_rng_state(state["rng"])
+        self.set_random_state(state["rng"])
         self.step = int(state["step"])
+
+
+def rank_seed(seed: int, coords: dict[str, int]) -> int:
+    """The seed of torch's generators on the rank at ``coords``: ``seed`` mixed with
+    every coordinate (as dtlab mixes every seed: :func:`dtlab.model.param_generator`),
+    so each rank draws its own masks, and the same ones in every run."""
+    where = "/".join(f"{axis}{coords[axis]}" for axis in sorted(coords))
+    return param_generator(seed, f"rank-rng/{where}").initial_seed()
+
+
+def _random_streams(modules) -> list[TPRandom]:
+    """The explicit generators the modules' dropouts draw from, each once, in module
+    order (the same on every rank of one layout)."""
+    found: dict[int, TPRandom] = {}
+    for module in modules:
+        for m in module.modules():
+            rng = getattr(m, "rng", None)
+            if isinstance(rng, TPRandom):
+                found.setdefault(id(rng), rng)
+    return list(found.values())
 
 
 def train(config: TrainConfig, topo: Topology | None = None) -> list[dict]:

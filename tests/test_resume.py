@@ -231,3 +231,88 @@ def test_loading_into_the_wrong_trainer_is_refused(lab_cluster, tmp_path):
         assert "saved from a DDP run" in errors[0]
         assert "saved from a ZeRO run" in errors[1]
         assert "another model" in errors[2]
+
+
+# ---- dropout on: the random state is part of the training state (issue 29) ----------
+# Every layout of 4 ranks that draws dropout masks from a different place: torch's
+# generator under DDP, ZeRO, a pipeline (each stage its own), context parallelism
+# (Ulysses: ring attention has no attention dropout) and a mixture of experts; the
+# tensor-parallel streams (TPRandom), with and without recomputation replaying them.
+DROPOUT = 0.1
+DROPOUT_CASES = {
+    "dp4": (None, {}),
+    "zero3": (None, dict(strategy="zero3")),
+    "dp2-tp2": ((2, 2, 1), {}),
+    "dp2-tp2-sp-full": (
+        (2, 2, 1),
+        dict(sequence_parallel=True, activation_checkpointing="full"),
+    ),
+    "dp2-pp2": ((2, 1, 2), dict(microbatches=2)),
+    "dp2-cp2": ((2, 1, 1, 2), dict(cp_variant="ulysses")),
+    "dp4-ep2": ((4, 1, 1, 1, 2), dict(model=dict(n_experts=4))),
+}
+
+
+def _dropout_config(name, dropout=DROPOUT):
+    from dtlab.topology import Layout
+
+    sizes, more = DROPOUT_CASES[name]
+    more = dict(more)
+    model = GPTConfig(**{**MODEL.__dict__, "dropout": dropout, **more.pop("model", {})})
+    layout = Layout(*sizes) if sizes else None
+    return CONFIG.replace(model=model, layout=layout, **more)
+
+
+def _runs_with_dropout(names, root):
+    """On every rank, per case: two runs of one config, the same without dropout,
+    and a run stopped after STOP_AT steps, saved and resumed in a new trainer."""
+    import torch.distributed as dist
+
+    from dtlab.checkpoint import load_training, save_training
+    from dtlab.topology import Topology
+    from dtlab.train import Trainer
+
+    topos, out = {}, {}
+    for name in names:
+        config = _dropout_config(name)
+        layout = config.resolve_layout(dist.get_world_size())
+        topo = topos.setdefault(layout, Topology(layout))
+
+        def run(config=config, topo=topo):
+            trainer = Trainer(config, topo)
+            trainer.fit(STEPS)
+            return _numbers(trainer.records)
+
+        whole, again = run(), run()
+        without = run(_dropout_config(name, 0.0))
+        first = Trainer(config, topo)
+        first.fit(STOP_AT)
+        save_training(f"{root}/{name}", first)
+        del first
+        resumed = Trainer(config, topo)
+        load_training(f"{root}/{name}", resumed)
+        resumed.fit(STEPS - STOP_AT)  # its records: the saved ones, then the new
+        out[name] = dict(
+            whole=whole, again=again, without=without, resumed=_numbers(resumed.records)
+        )
+    return out
+
+
+def _numbers(records):
+    """What must not change: this rank's loss, local loss and gradient norm."""
+    return [(r["loss"], r["local_loss"], r["grad_norm"]) for r in records]
+
+
+def test_with_dropout_a_run_repeats_and_resumes_bit_for_bit(lab_cluster, tmp_path):
+    """Dropout 0.1 at every kind of 4-rank layout: two runs of one config are
+    identical (every rank's generators are seeded from the config and its
+    coordinates), and a run resumed from a checkpoint equals the run that never
+    stopped, step by step on every rank (the checkpoint holds torch's generators
+    and the tensor-parallel streams). Tolerance: none, as above."""
+    results = lab_cluster(4).run(_runs_with_dropout, list(DROPOUT_CASES), str(tmp_path))
+    for rank, per_case in enumerate(results):
+        for name, r in per_case.items():
+            assert r["again"] == r["whole"], (rank, name)
+            assert r["resumed"] == r["whole"], (rank, name)
+            # the masks are drawn: without dropout the run is another one
+            assert r["without"] != r["whole"], (rank, name)

@@ -76,8 +76,10 @@ def train(
     of step records as it arrives. ``timeout`` bounds the whole run; an error on a
     rank comes back as :class:`dtlab.launch.RankError` naming it. ``survive=True``:
     an engine that dies mid-run is replaced and the run goes on from a replica's
-    state (data parallelism with DDP: :mod:`dtlab.lab.replicas`); ``run.lost``
-    says what it cost.
+    state, with the losses of a run that never broke (every layout whose ranks'
+    states are each held twice; the others are refused here, before any engine
+    is touched: :mod:`dtlab.lab.replicas`); ``run.lost`` says what each loss
+    cost.
     """
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a dtlab.train.TrainConfig, got {config!r}")

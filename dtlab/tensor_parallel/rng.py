@@ -3,7 +3,10 @@ are replicated, a different one where they are sharded.
 
 Taught in chapter 04 (section 6). Megatron keeps the two streams in its RNG tracker
 (``megatron/core/tensor_parallel/random.py``, "model parallel random number
-generation"); :mod:`dtlab.recompute` replays them when it recomputes a block.
+generation"); :mod:`dtlab.recompute` replays them when it recomputes a block, and
+:meth:`dtlab.train.Trainer.state_dict` saves them (:meth:`TPRandom.get_states`), as
+Megatron saves its tracker's states with a checkpoint: a run resumed from it, or a
+replica healed with it, draws the masks the run that never stopped drew.
 """
 
 from __future__ import annotations
@@ -40,6 +43,26 @@ class TPRandom:
             seed = self.seed + (self.OFFSET + self.index if sharded else 0)
             self._gens[key] = torch.Generator(device=device).manual_seed(seed)
         return self._gens[key]
+
+    def manual_seed(self, seed: int) -> None:
+        """Start both streams again from ``seed`` (the same on every tp rank of a
+        group: the replicated stream must stay one stream)."""
+        self.seed = int(seed)
+        self._gens.clear()
+
+    def get_states(self) -> dict[tuple[bool, str], torch.Tensor]:
+        """``{(sharded, device): generator state}`` of every stream drawn from so
+        far (copies; a stream never drawn from is still at its seed)."""
+        return {key: g.get_state() for key, g in self._gens.items()}
+
+    def set_states(self, states: dict[tuple[bool, str], torch.Tensor]) -> None:
+        """Put every stream back where :meth:`get_states` found it; a stream
+        missing from ``states`` had not drawn yet and starts again from its seed.
+        The generator objects stay the same (only their states change)."""
+        for key in [k for k in self._gens if k not in states]:
+            del self._gens[key]
+        for (sharded, device), state in states.items():
+            self.generator(sharded, device).set_state(state)
 
 
 class ParallelDropout(nn.Module):
