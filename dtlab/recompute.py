@@ -4,7 +4,7 @@ During a forward pass autograd keeps, for every op, the tensors its backward nee
 For one GPT layer with 16-bit activations that is (Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", §4.1, eq. 1)::
 
-    s·b·h·(34 + 5·a·s/h)  bytes      s seq_len, b micro-batch, h d_model, a heads
+    s·b·h·(34 + 5·a·s/h)  bytes      s seq_len, b microbatch, h d_model, a heads
 
 Checkpointing keeps less and *recomputes* the rest in backward:
 

@@ -15,7 +15,7 @@ engines (``dtlab.lab.training.train(cluster, config)``), under
 
 1. every rank draws the same global batch (:class:`dtlab.model.SyntheticTokens`, a
    pure function of the step) and keeps its data-parallel slice, cut into
-   ``grad_accum_steps`` micro-batches (with a pipeline, pipeline flushes);
+   ``grad_accum_steps`` microbatches (with a pipeline, pipeline flushes);
 2. forward and backward of each, the loss divided by their number so that their
    gradients add up to the gradient of the slice's mean; every one but the last
    accumulates without communicating where the gradients are held in full (DDP,
@@ -185,12 +185,12 @@ class Trainer:
         k = cfg.grad_accum_steps
         counter = self._activation_counter(rec)
         losses, peak = [], 0
-        if k > 1:  # each micro-batch its own tensors, as a loader hands them
+        if k > 1:  # each microbatch its own tensors, as a loader hands them
             x, y = [c.clone() for c in x.chunk(k)], [c.clone() for c in y.chunk(k)]
         else:
             x, y = [x], [y]
         for m, (xm, ym) in enumerate(zip(x, y)):  # (B/(dp·k), T)
-            # without a pipeline the last micro-batch's backward synchronizes (and
+            # without a pipeline the last microbatch's backward synchronizes (and
             # overlaps doing so); a pipeline synchronizes after its last flush
             quiet = parts.pipe is not None or m < k - 1
             with self._accumulating() if quiet else nullcontext():
@@ -211,7 +211,7 @@ class Trainer:
         return out
 
     def _forward_backward(self, x, y, k, m, counter, rec):
-        """Micro-batch (or pipeline flush) ``m`` of ``k``: forward, the loss scaled
+        """Microbatch (or pipeline flush) ``m`` of ``k``: forward, the loss scaled
         by ``1/k`` (and the loss scale), backward. Returns this rank's loss (None
         on a pipeline stage without the loss) and the activation bytes held."""
         parts, scaler = self.parts, self.parts.optimizer.scaler
@@ -266,7 +266,7 @@ class Trainer:
                     comm.all_reduce(grad, group=tied, tag="tied-embedding")
 
     def _local_loss(self, losses) -> float:
-        """This rank's mean loss over its micro-batches; with a pipeline it lives
+        """This rank's mean loss over its microbatches; with a pipeline it lives
         on the last stage and is sent along the pipe."""
         pp = self.topo.axis("pp")
         if self.parts.pipe is None:
