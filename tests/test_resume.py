@@ -234,7 +234,8 @@ def test_loading_into_the_wrong_trainer_is_refused(lab_cluster, tmp_path):
 
 
 # ---- dropout on: the random state is part of the training state (issue 29) ----------
-# Every layout of 4 ranks that draws dropout masks from a different place: torch's
+# Every layout of 4 ranks this model allows (2 heads, 2 layers: tp and pp at most 2)
+# that draws dropout masks from a different place: torch's
 # generator under DDP, ZeRO, a pipeline (each stage its own), context parallelism
 # (Ulysses: ring attention has no attention dropout) and a mixture of experts; the
 # tensor-parallel streams (TPRandom), with and without recomputation replaying them.
@@ -248,6 +249,7 @@ DROPOUT_CASES = {
         dict(sequence_parallel=True, activation_checkpointing="full"),
     ),
     "dp2-pp2": ((2, 1, 2), dict(microbatches=2)),
+    "tp2-pp2": ((1, 2, 2), dict(microbatches=2)),
     "dp2-cp2": ((2, 1, 1, 2), dict(cp_variant="ulysses")),
     "dp4-ep2": ((4, 1, 1, 1, 2), dict(model=dict(n_experts=4))),
 }
