@@ -2,11 +2,15 @@
 capabilities in the run's header (dtlab.capabilities)."""
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# the learner's prediction log (dtlab.lab.predictions) of chapters run by the tests
+# (the browser test's kernels included) goes to a folder of the run's own
+os.environ.setdefault("DTLAB_HOME", tempfile.mkdtemp(prefix="dtlab-home-"))
 torch.set_num_threads(1)
 
 
