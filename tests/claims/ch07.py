@@ -175,3 +175,7 @@ assert plan_70b.fits and plan_70b.best is plan_70b.fits[0], (
     "the planner finds plans for 70B on 64 H100s, the fastest first"
 )
 assert all(row.layout.tp <= 8 for row in plan_70b.fits[:3]), "tp stays in a node"
+
+# ---- the layout trained live from a cell -------------------------------------------
+assert [len(r) for r in watched.records] == [40] * N, "every rank trained 40 steps"
+assert watched.losses()[-1] < watched.losses()[0], watched.losses()
