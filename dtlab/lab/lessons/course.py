@@ -75,21 +75,22 @@ DIFFICULTY = {
 mechanism itself), stretch (a mechanism with a subtle case: overlap, a schedule,
 a numerically careful merge)."""
 
-# Seconds each chapter's cells take to run on two CPU cores (nbval, the
-# references substituted: `make test`'s notebook run, --durations).
+# Seconds each chapter's cells take to run on two CPU cores, measured under nbval
+# with the references substituted (`make test`'s notebook run, one chapter at a
+# time, 2026-12-03, rounded up to 5 s).
 RUN_SECONDS = {
     "00": 10,
-    "01": 60,
-    "02": 90,
-    "03": 150,
-    "04": 60,
-    "05": 60,
-    "06": 40,
-    "07": 120,
-    "08": 120,
+    "01": 40,
+    "02": 105,
+    "03": 60,
+    "04": 70,
+    "05": 80,
+    "06": 75,
+    "07": 65,
+    "08": 55,
     "09": 30,
     "10": 60,
-    "11": 150,
+    "11": 40,
 }
 
 
