@@ -19,9 +19,10 @@ Each exercise also carries a catalogue of wrong solutions, the mistakes learners
 really make, each with the message its checker must give; ``tests/test_exercises.py``
 proves every one of them rejected (:data:`REGISTRY`, :func:`catalogue`).
 
-Per chapter three modules: ``chNN_solutions`` (the references, what
-:func:`solution` shows), ``chNN_<topic>`` (the probes that run on the ranks and the
-checkers that judge them: :mod:`.ch01_collectives` … :mod:`.ch11_beyond`) and
+Per chapter: ``chNN_solutions`` (the references, what :func:`solution` shows),
+``chNN_<topic>`` (the probes that run on the ranks and the checkers that judge
+them: :mod:`.ch01_collectives` … :mod:`.ch11_beyond`; the framework exercises in
+modules of their own, :mod:`.ch02_torch_ddp` and :mod:`.ch03_fsdp2`) and
 ``chNN_mistakes`` (the catalogue of wrong solutions). Shared by all: :mod:`.grading`
 (verdicts, stubs, the registry), :mod:`.ranks` (running a probe on every rank) and
 :mod:`.watch` (what a rank's code really did).
