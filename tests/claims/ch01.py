@@ -3,6 +3,8 @@ every rank, the groups of a layout, the ring's messages and bytes to the byte, t
 sweep, the live figure, the ring-or-tree arithmetic and the two hangs. Runs in the
 chapter's kernel, with its cluster still up."""
 
+import math
+
 import torch
 
 from dtlab.lab import prediction_log
@@ -55,9 +57,12 @@ assert logged["allreduce_time_ratio"]["measured"] == mid[-1] / mid[0], logged
 
 # ---- 5. time against message size ----------------------------------------------------
 assert sizes == SIZES and all(len(t) == REPS for t in times), "every size, every rep"
-# physics, not speed: a call costs something even when empty, more bytes take longer
-assert fit.alpha_s > 0 and fit.beta_s_per_byte > 0, fit
-assert mid[-1] > mid[0], mid
+# The fit and the medians are measurements, shown on the page beside the learner's
+# prediction, never asserted: on a loaded 2-core machine one slow small call made the
+# fitted slope negative (α = 20 ms, β < 0) in a fresh clone's run. Only that every
+# number exists.
+assert all(math.isfinite(v) for v in (fit.alpha_s, fit.beta_s_per_byte)), fit
+assert all(t > 0 for t in mid), mid
 
 # ---- the live timeline ---------------------------------------------------------------
 assert live_timeline.received == len(live_events), "every event arrived live"
