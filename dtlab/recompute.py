@@ -34,7 +34,7 @@ optimizers are untouched, and any mode can be switched to any other.
 
 Use it on any model that keeps its transformer blocks in ``.blocks``:
 :class:`dtlab.model.GPT`, a pipeline :class:`dtlab.pipeline.StageModule` and
-:class:`dtlab.tensor_parallel.TensorParallelGPT`. :mod:`dtlab.parallelize` calls
+:func:`dtlab.tensor_parallel.TensorParallelGPT`. :mod:`dtlab.parallelize` calls
 :func:`apply_activation_checkpointing` with ``TrainConfig.activation_checkpointing``
 after tensor parallelism and before data parallelism (wrapping DDP/ZeRO around
 blocks that already recompute, as torchtitan does).

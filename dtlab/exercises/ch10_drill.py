@@ -5,9 +5,9 @@
    real :class:`dtlab.ddp.DistributedDataParallel` step, and offline against
    :func:`dtlab.estimate.ddp_bytes_per_step` for models and worlds far larger.
 2. ``drill``: interview cards, each with a rubric of the facts and numbers a strong
-   answer contains (:class:`Point`) and the misconceptions it must not contain; an
-   answer is scored and the missing points are named. Each card has follow-ups
-   ("the network is now 4× slower: what changes?") graded the same way.
+   answer contains (:class:`~.ch10_cards.Point`) and the misconceptions it must not
+   contain; an answer is scored and the missing points are named. Each card has
+   follow-ups ("the network is now 4× slower: what changes?") graded the same way.
 
 The cards, their rubrics, :func:`~dtlab.exercises.ch10_cards.grade` and the timed
 :class:`~dtlab.exercises.ch10_cards.MockRound` live in :mod:`.ch10_cards`.

@@ -12,10 +12,10 @@ of this machine.
 Each process is started under a :mod:`~dtlab.lab.lifeline`, which ends it when the
 kernel that owns it is gone, and in a session of its own (ipyparallel's local
 launcher does that), so :func:`kill` ends its whole tree (an engine's nanny, the
-controller's schedulers) with one signal to its process group. :func:`stop` is
-that kill for every local process, then a wait until each has exited, then
-ipyparallel's own stop (which finds them gone) for its bookkeeping and for
-engines on other hosts.
+controller's schedulers) with one signal to its process group.
+:meth:`~dtlab.lab.cluster.LabCluster.stop` is that kill for every local process,
+then a wait until each has exited, then ipyparallel's own stop (which finds them
+gone) for its bookkeeping and for engines on other hosts.
 """
 
 from __future__ import annotations

@@ -40,11 +40,18 @@ def source_lines(obj, *, start: str | None = None, stop: str | None = None):
 def show(obj, *, start=None, stop=None, mark=(), max_lines: int = 60):
     """Display ``obj``'s source with line numbers and the file it comes from;
     lines containing any string of ``mark`` are highlighted (what the narration
-    points at). Refuses more than ``max_lines`` lines: a page shows a mechanism,
-    not a file. Returns the displayed text (for tests)."""
+    points at); a mark that is on no line is refused, so the page cannot point
+    at code that has moved. Refuses more than ``max_lines`` lines: a page shows a
+    mechanism, not a file. Returns the displayed text (for tests)."""
     from IPython.display import HTML, display
 
     first, lines = source_lines(obj, start=start, stop=stop)
+    unmarked = [m for m in mark if not any(m in line for line in lines)]
+    if unmarked:
+        raise ValueError(
+            f"{unmarked} mark no line of {getattr(obj, '__qualname__', obj)}: the "
+            "narration points at code that is not there (the code moved or changed)"
+        )
     if len(lines) > max_lines:
         raise ValueError(
             f"{len(lines)} lines of {getattr(obj, '__qualname__', obj)}: show at most "

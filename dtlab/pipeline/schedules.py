@@ -2,7 +2,7 @@
 
 Taught in chapter 05 (pipeline parallelism). Pure data and pure functions: nothing
 here needs a process group, so a schedule can be built, printed and unit-tested
-anywhere (:mod:`dtlab.pipeline.simulate` checks and times it, and
+anywhere (:func:`dtlab.pipeline.simulate` checks and times it, and
 :class:`dtlab.pipeline.Pipeline` runs it).
 
 A :class:`Schedule` holds, for every rank, an ordered list of :class:`Action` s:

@@ -16,9 +16,10 @@ passes add into it without communicating. Stages 2-3 free it as soon as its
 reduce-scatter is done: the full gradient of a unit never outlives its reduction,
 which is the memory ZeRO-2 saves.
 
-:meth:`Reducer.finish` divides the sum by N (by a power of two exactly, barring
-subnormals: ``(a + b) / 2`` has the bits of DDP's ``a/2 + b/2``), moves it where
-the master lives (:mod:`~dtlab.zero.offload`) and hands each local shard its part
+:meth:`Reducer.launch` divides each bucket by N before its sum (by a power of two
+exactly, barring subnormals: ``a/2 + b/2`` has the bits of DDP's, which divides the
+same way). :meth:`Reducer.finish` moves the averaged slice where the master lives
+(:mod:`~dtlab.zero.offload`) and hands each local shard its part
 as ``.grad``: views of the one averaged slice, no copy, added to what an earlier
 backward of the same step left. A parameter that got no gradient in this backward
 is skipped, so a frozen or unused one keeps ``.grad = None``. That is decided on each

@@ -46,7 +46,7 @@ def loss_figure(
     records themselves). ``key="local_loss"`` shows each rank's own microbatches
     instead of the global-batch loss. ``reference``: the single-process losses of
     :func:`dtlab.reference.train_reference`, dashed. Usable with
-    :class:`LiveFigure` (``LiveFigure(loss_figure)``)."""
+    :class:`~dtlab.lab.figures.live.LiveFigure` (``LiveFigure(loss_figure)``)."""
     fig, where = cell(fig, row, col)
     records = step_records(events)
     for rank in ranks_of(records) if records else []:
