@@ -8,8 +8,8 @@ through the same function, with tp = pp = 1 and fp32.
 :func:`parallelize` takes a :class:`~dtlab.train.TrainConfig` and this rank's
 :class:`~dtlab.topology.Topology` and returns the :class:`Parallelized` parts: this
 rank's modules, their data-parallel wrappers, the pipeline executor and the optimizer.
-:class:`dtlab.train.Trainer` runs the steps on them. The order (torchtitan's
-``parallelize_llama`` keeps the same one):
+:class:`dtlab.train.Trainer` runs the steps on them. The order, written here once
+(torchtitan's ``parallelize_llama`` keeps the same one):
 
 1. **Tensor parallelism** (Shoeybi et al. 2019; chapter 04) on the model's weights,
    first, because everything after it must see the *sharded* parameters: the
@@ -19,7 +19,9 @@ rank's modules, their data-parallel wrappers, the pipeline executor and the opti
    tp > 1 each stage (built by parameter name, so it matches the single-process GPT)
    is split over tp: vocab-parallel embedding on the first stage, column-parallel
    head and vocab-parallel cross-entropy on the last; a tied embedding is summed
-   over the first and last stage, shard by shard.
+   over the first and last stage, shard by shard. Beyond 3D (tp = pp = 1, chapter
+   11), this step is **expert parallelism** (each rank keeps its experts) and then
+   **context parallelism** (every sequence split over cp) on the whole model.
 3. **Activation checkpointing** (Chen et al. 2016; Korthikanti et al. 2022, §5;
    :mod:`dtlab.recompute`) on each transformer block, before any wrapper, so the
    wrappers' hooks see the blocks' outputs: ``full`` keeps a block's input and
