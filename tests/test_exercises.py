@@ -131,30 +131,3 @@ def test_catalogue_lists_what_each_checker_measures():
     rows = exercises.catalogue()
     assert [r["name"] for r in rows] == list(REGISTRY)
     assert all(r["measures"] and len(r["rejects"]) >= 4 for r in rows)
-
-
-# ---- the drill as a tool ------------------------------------------------------------
-def test_grade_names_the_missing_points_and_the_misconceptions():
-    strong = exercises.ch10_solutions.drill_answers()["zero_stages"]
-    assert exercises.grade("zero_stages", strong).passed
-    weak = exercises.grade("zero_stages", "Stage 3 shards the parameters.")
-    assert not weak.passed and weak.earned == ["stage 3 also shards the parameters"]
-    assert "stage 1 shards the optimizer states" in weak.missing
-    wrong = exercises.grade("zero_stages/offload", "About 10B on one GPU, on the CPU.")
-    assert any("13B" in fix for fix in wrong.misconceptions)
-    with pytest.raises(ValueError, match="no card"):
-        exercises.grade("zero", "")
-
-
-def test_a_mock_round_is_timed():
-    now = [0.0]
-    round_ = exercises.MockRound(n=2, seconds=60, seed=1, clock=lambda: now[0])
-    answers = exercises.ch10_solutions.drill_answers()
-    for spent in (30.0, 90.0):
-        assert round_.ask()
-        now[0] += spent
-        round_.answer(answers[round_.keys[len(round_.grades)]])
-    assert round_.ask() is None
-    assert [g.seconds for g in round_.grades] == [30.0, 90.0]
-    assert all(g.passed for g in round_.grades)
-    assert "over time: 90 s" in round_.summary()

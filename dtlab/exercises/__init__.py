@@ -82,7 +82,6 @@ from dtlab.exercises.ch06_mixed_precision import (
 from dtlab.exercises.ch07_layouts import check_layout_defence, check_rank_order
 from dtlab.exercises.ch08_memory import check_accumulation, check_checkpointing
 from dtlab.exercises.ch09_planning import check_step_time, check_zero_states
-from dtlab.exercises.ch10_cards import CARDS, MockRound, grade
 from dtlab.exercises.ch10_drill import check_ddp_wire_bytes, check_drill
 from dtlab.exercises.ch11_beyond import (
     check_all_to_all_splits,
@@ -146,9 +145,6 @@ __all__ = [
     "check_merge_attention",
     "check_moe_dispatch",
     "check_all_to_all_splits",
-    "CARDS",
-    "grade",
-    "MockRound",
 ]
 
 

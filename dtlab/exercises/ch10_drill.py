@@ -4,13 +4,10 @@
    step, against what every rank of the live cluster recorded while training a
    real :class:`dtlab.ddp.DistributedDataParallel` step, and offline against
    :func:`dtlab.estimate.ddp_bytes_per_step` for models and worlds far larger.
-2. ``drill``: interview cards, each with a rubric of the facts and numbers a strong
-   answer contains (:class:`~.ch10_cards.Point`) and the misconceptions it must not
-   contain; an answer is scored and the missing points are named. Each card has
-   follow-ups ("the network is now 4× slower: what changes?") graded the same way.
-
-The cards, their rubrics, :func:`~dtlab.exercises.ch10_cards.grade` and the timed
-:class:`~dtlab.exercises.ch10_cards.MockRound` live in :mod:`.ch10_cards`.
+2. ``drill``: five of the interview drill's cards answered as structured answers
+   (``{card: {part: value}}``): numbers with units, checked against
+   :mod:`dtlab.estimate`; choice sets checked exactly; a misconception chosen fails
+   the card. The cards and their grading live in :mod:`dtlab.drill`.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from torch import nn
 
 from dtlab import estimate as est
 from dtlab.ddp import DistributedDataParallel
-from dtlab.exercises.ch10_cards import all_cards, grade
+from dtlab.drill.cards import CARDS
 from dtlab.exercises.ch10_solutions import ddp_wire_bytes, drill_answers
 from dtlab.exercises.grading import ExerciseFailed, attempt, exercise
 from dtlab.exercises.ranks import on_every_rank, rank_and_size, world_size_of
@@ -87,26 +84,65 @@ def check_ddp_wire_bytes(solution, cluster=None):
     ]
 
 
+# ---- 2. the drill -----------------------------------------------------------------
+DRILL_CARDS = (
+    "ddp_traffic",
+    "zero_stages",
+    "one_f_one_b",
+    "amp_loss_scaling",
+    "long_context_moe",
+)
+"""The cards the ``drill`` exercise grades: one per core topic of the course."""
+
+
+def drill_cards() -> list:
+    """The exercise's cards, from the drill itself (:mod:`dtlab.drill`: one Card
+    type, its numbers, choices and grading)."""
+    by_key = {c.key: c for c in CARDS}
+    return [by_key[k] for k in DRILL_CARDS]
+
+
 @exercise(
     "drill",
     chapter=10,
     reference=drill_answers,
     local=True,
     measures=(
-        "5 cards and 5 follow-ups: each answer scored on its rubric (≥ 75 % of the "
-        "points), no known misconception; the missing points named"
+        f"{len(DRILL_CARDS)} cards, every part graded as an interviewer does: each "
+        "number against dtlab.estimate with its unit (within its stated tolerance), "
+        "each choice set exactly, no misconception chosen"
     ),
 )
 def check_drill(solution, cluster=None):
     answers = attempt(solution)
+    if not isinstance(answers, dict):
+        raise ExerciseFailed(
+            "drill_answers() returns a dict {card key: {part name: value}}, got "
+            f"{type(answers).__name__}"
+        )
+    cards = drill_cards()
+    stray = sorted(set(answers) - set(DRILL_CARDS))
+    if stray:
+        raise ExerciseFailed(
+            f"no card {stray[0]!r} in this exercise: answer {list(DRILL_CARDS)}"
+        )
     failed = []
-    for key in all_cards():
-        if not str(answers.get(key, "")).strip():
-            failed.append(f"{key}: no answer (follow-ups are part of the drill)")
+    for card in cards:
+        if card.key not in answers:
+            parts = [p.name for p in card.parts]
+            failed.append(f"{card.key}: no answer (its parts: {', '.join(parts)})")
             continue
-        g = grade(key, answers[key])
-        if not g.passed:
-            failed.append(str(g))
+        try:
+            grade = card.grade(answers[card.key])
+        except (TypeError, ValueError) as exc:
+            failed.append(f"{card.key}: {exc}")
+            continue
+        if not grade.passed:
+            failed.append(grade.feedback())
     if failed:
         raise ExerciseFailed("the drill is not passed yet:\n" + "\n".join(failed))
-    return [f"every card and follow-up ({len(all_cards())}) passed its rubric"]
+    parts = sum(len(c.parts) for c in cards)
+    return [
+        f"all {parts} parts of {len(cards)} cards right: numbers with their units, "
+        "choice sets exact, no misconception"
+    ]

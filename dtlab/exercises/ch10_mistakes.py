@@ -1,12 +1,12 @@
 """The mistakes learners make in chapter 10's exercises, each rejected by its
 checker with the message fragment given (``tests/test_exercises.py`` proves it).
 
-The drill's mistakes start from the model answers and get one thing wrong the way
-answers in interviews do."""
+The drill's mistakes start from the reference answers and get one thing wrong the
+way answers in interviews do."""
 
 from __future__ import annotations
 
-from dtlab.exercises import ch10_drill  # noqa: F401 - declares the exercises
+from dtlab.exercises import ch10_drill  # declares the exercises
 from dtlab.exercises.ch10_solutions import drill_answers
 from dtlab.exercises.grading import mistake
 
@@ -40,42 +40,53 @@ def counts_the_reduce_scatter_only(n_params, world_size, bytes_per_grad=4):
 
 
 # ---- drill -------------------------------------------------------------------------
-@mistake("drill", expect="missing:")
-def answers_in_one_line():
-    """Right in spirit, without the facts and numbers an interviewer listens for."""
-    return {key: "It shards things and communicates." for key in drill_answers()}
-
-
-@mistake("drill", expect="against pure bf16 (8 B) it is +8")
-def says_mixed_precision_costs_four_bytes():
-    """The old chapter 10 table: "4 extra bytes a parameter"."""
+def _with(card: str, **parts) -> dict:
     answers = drill_answers()
-    answers["mixed_precision"] += " Mixed precision costs 4 extra bytes a parameter."
+    answers[card] = {**answers[card], **parts}
     return answers
 
 
-@mistake("drill", expect="p − stage − 1 forwards")
+@mistake("drill", expect="bytes_n8: ✗ off: 1.1× the right value, too high")
+def says_two_psi_on_eight_gpus():
+    """2Ψ·2 bytes = 28 GB on 8 GPUs: the large-N answer, 8/7 too many."""
+    return _with("ddp_traffic", bytes_n8="28 GB")
+
+
+@mistake("drill", expect="slow_link: ✗ wrong unit: '1.96 GB' is bytes")
+def answers_a_time_in_bytes():
+    """The right digits in the wrong unit: a time written in GB."""
+    return _with("ddp_traffic", slow_link="1.96 GB")
+
+
+@mistake("drill", expect="stage2_shards: ✗ 1 missing, 0 extra")
+def stage_two_shards_only_the_optimizer():
+    """ZeRO-2 answered like ZeRO-1: the gradients forgotten."""
+    return _with("zero_stages", stage2_shards=["optimizer states"])
+
+
+@mistake("drill", expect="misconception '(N−1)·Ψ values'")
+def sends_to_every_peer():
+    """The ring's steps counted with the whole tensor each: (N−1)·Ψ."""
+    return _with("ddp_traffic", per_gpu=["(N−1)·Ψ values"])
+
+
+@mistake("drill", expect="misconception 'p − 1 forwards'")
 def warms_up_with_p_minus_one():
     """The old drill card: every stage warms up with p − 1 forwards."""
+    return _with("one_f_one_b", warm_up=["p − 1 forwards"])
+
+
+@mistake("drill", expect="could not read")
+def pastes_the_feedback_back():
+    """Each part answered with the feedback a wrong answer earned."""
+    card = next(c for c in ch10_drill.drill_cards() if c.key == "zero_stages")
+    feedback = card.grade({"stage1": "1 GB"}).feedback()
+    return _with("zero_stages", **{p.name: feedback for p in card.parts})
+
+
+@mistake("drill", expect="ddp_traffic: no answer")
+def skips_a_card():
+    """Four cards answered, the DDP one left out."""
     answers = drill_answers()
-    answers["one_f_one_b"] = answers["one_f_one_b"].replace(
-        "Stage i of p warms up with p - i - 1 forwards",
-        "Each stage warms up with p - 1 forwards",
-    )
+    del answers["ddp_traffic"]
     return answers
-
-
-@mistake("drill", expect="13B on a single V100, not 10B")
-def offloads_ten_billion():
-    """The old chapter 03 figure: "about 10B on a single GPU"."""
-    answers = drill_answers()
-    answers["zero_stages/offload"] = answers["zero_stages/offload"].replace(
-        "a 13B model", "a 10B model"
-    )
-    return answers
-
-
-@mistake("drill", expect="no answer (follow-ups are part of the drill)")
-def skips_the_follow_ups():
-    """Answers the cards and leaves every follow-up out."""
-    return {k: v for k, v in drill_answers().items() if "/" not in k}

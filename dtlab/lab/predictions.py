@@ -32,6 +32,8 @@ import pathlib
 import pkgutil
 import time
 
+from dtlab.units import UNITS
+
 __all__ = [
     "Question",
     "UNITS",
@@ -43,34 +45,6 @@ __all__ = [
     "questions",
 ]
 
-# Each unit a learner may write, as (kind, factor to the kind's base unit). Bytes
-# are counted the way the course counts them: kB/MB/GB are powers of 1000 (the
-# ZeRO paper's GB), KiB/MiB/GiB powers of 1024.
-UNITS: dict[str, tuple[str, float]] = {
-    "B": ("bytes", 1),
-    "kB": ("bytes", 1e3),
-    "MB": ("bytes", 1e6),
-    "GB": ("bytes", 1e9),
-    "TB": ("bytes", 1e12),
-    "KiB": ("bytes", 2.0**10),
-    "MiB": ("bytes", 2.0**20),
-    "GiB": ("bytes", 2.0**30),
-    "TiB": ("bytes", 2.0**40),
-    "s": ("time", 1),
-    "ms": ("time", 1e-3),
-    "us": ("time", 1e-6),
-    "µs": ("time", 1e-6),
-    "min": ("time", 60),
-    "h": ("time", 3600),
-    "fraction": ("fraction", 1),
-    "%": ("fraction", 1e-2),
-    "x": ("ratio", 1),
-    "count": ("count", 1),
-    "FLOP": ("flops", 1),
-    "GFLOP": ("flops", 1e9),
-    "TFLOP": ("flops", 1e12),
-    "PFLOP": ("flops", 1e15),
-}
 _BASE = {"bytes": "B", "time": "s", "fraction": "fraction", "ratio": "x"}
 _BASE |= {"count": "count", "flops": "FLOP"}
 

@@ -1,37 +1,55 @@
-"""Interview practice cards: a question, a box for your answer, and a Reveal button
-that shows a model answer in the four-question frame next to a number the course
-measured or computed.
-
-Taught in chapter 10 (interview drill).
+"""The interview drill (chapter 10): twenty cards graded the way an interviewer
+grades, then revealed with a model answer and the number behind it.
 
     from dtlab.lab.drill import Drill
-    drill = Drill(cluster)          # cluster = dtlab.lab.start(world_size=4)
-    drill                            # every card
-    drill.reveal("zero_stages")      # what the Reveal button does; returns the number
+    drill = Drill(cluster)                    # cluster = dtlab.lab.start(world_size=4)
+    drill.ask("zero_stages")                  # the card's parts, units, options
+    drill.answer("zero_stages", {"stage1": "<bytes>", "stage1_shards": [...]})
+    drill.reveal("zero_stages")               # only after answering it
+    drill.mock_round(minutes=15)              # five cards, timed, scored per topic
 
-Every card's number comes from somewhere the learner can re-run: a short run on the
-live cluster (world 2-4: bytes per rank by category, wire bytes per step, from
-dtlab's telemetry and memory accounting), the pipeline simulator
-(:func:`dtlab.pipeline.simulate`), a computation on the kernel's own process, or
-the analytic model (:mod:`dtlab.estimate`). The live runs happen once, on the first
-card that needs them, in one bounded ``cluster.run``.
+A card (:class:`Card`) has a question, a topic, a model answer in the
+four-question frame (what is replicated, sharded, synchronized and how often,
+what dominates the cost) and graded parts: numbers computed by
+:mod:`dtlab.estimate` and checked with their units, and multi-selects checked
+exactly, where choosing a misconception costs a point and fails the card. The
+explanation is never graded by the program: after the reveal the learner ticks
+the model answer's points their own contained. Every attempt goes to a mistake log
+(``$DTLAB_HOME/drill.json``) whose Leitner boxes bring missed cards back first.
 
-- ``cards.ini``: the cards as text, read by :mod:`~dtlab.lab.drill.cards`;
-- :mod:`~dtlab.lab.drill.measurements`: the number behind each card;
-- :mod:`~dtlab.lab.drill.widget`: :class:`Drill`, the cards as widgets;
-- :mod:`dtlab.lab.engine.drill`: what the live measurements run on every rank.
+- :mod:`dtlab.drill`: the cards, their graded parts, the grading, the mistake log
+  and the mock round (no widgets: chapter 10's exercise grades with them too);
+- :mod:`~dtlab.lab.drill.measurements`: the number behind each model answer
+  (live on the cluster: :mod:`dtlab.lab.engine.drill`; simulated; or estimated);
+- :mod:`~dtlab.lab.drill.widget`: :class:`Drill`, the session and its widgets.
 """
 
-from dtlab.lab.drill.cards import CARDS, SOURCE_QUESTIONS, Card
-from dtlab.lab.drill.measurements import Measurement
-from dtlab.lab.drill.widget import Drill
+from dtlab.drill.cards import CARDS, SOURCE_QUESTIONS, TOPICS, Card, load_cards
+from dtlab.drill.grading import CardGrade, Choices, Number, PartGrade
+from dtlab.drill.log import DrillLog
+from dtlab.drill.mock import MockRound
+from dtlab.lab.drill.measurements import MEASUREMENTS, Measurement
+from dtlab.lab.drill.widget import Drill, NotAnsweredYet
 from dtlab.lab.engine.drill import rank_measurements
+from dtlab.units import UnitError, parse
+
+load_cards(measurements=MEASUREMENTS)  # every card's number can be measured
 
 __all__ = [
     "CARDS",
     "SOURCE_QUESTIONS",
+    "TOPICS",
     "Card",
-    "Measurement",
+    "CardGrade",
+    "Choices",
     "Drill",
+    "DrillLog",
+    "Measurement",
+    "MockRound",
+    "NotAnsweredYet",
+    "Number",
+    "PartGrade",
+    "UnitError",
+    "parse",
     "rank_measurements",
 ]

@@ -409,9 +409,10 @@ def context_and_expert_parallel(ctx: Context) -> Measurement:
         "estimate",
         f"70B at 128K tokens, tp=8 with sequence parallelism: "
         f"{_gb(one['activations'])} of activations per GPU; cp=8 divides them to "
-        f"{_gb(cp['activations'])}. Mixtral 8x7B with ep=8: "
-        f"{ep['ep'] / 1e9:.1f} GB of all-to-all per rank per 4K-token sequence.",
-        predicted=8.0,
+        f"{_gb(cp['activations'])} (a little over 1/cp: the ring also keeps "
+        "its output and log-sum-exp for the merge). "
+        f"Mixtral 8x7B with ep=8: {ep['ep'] / 1e9:.1f} GB of all-to-all per rank "
+        "per 4K-token sequence.",
     )
 
 
@@ -431,11 +432,43 @@ def embedding_table_sharding(ctx: Context) -> Measurement:
     )
 
 
+def ddp_wire(ctx: Context) -> Measurement:
+    live = ctx.live()
+    n, wire = live[0]["world"], live[0]["ddp"]["wire"]
+    want = estimate.ddp_bytes_per_step(CFG.n_params(), n)
+    return Measurement(
+        wire,
+        "bytes",
+        "live",
+        f"Measured: each of {n} DDP ranks sent {wire:,.0f} bytes in one step of a "
+        f"{CFG.n_params():,}-parameter GPT, 2(N-1)/N·Ψ·4 = {want:,.0f}; on 1024 GPUs "
+        f"the same formula gives {estimate.ddp_bytes_per_step(1, 1024, 1) / 2:.3f}·2Ψ.",
+        predicted=want,
+    )
+
+
+def checkpointing_memory(ctx: Context) -> Measurement:
+    shape = (32, 4096, 1, 4096, 32)  # layers, tokens, microbatch, d, heads
+    none = estimate.activation_bytes(*shape)
+    full = estimate.activation_bytes(*shape, recompute="full")
+    extra = estimate.recompute_overhead("full", 4096, 4096)
+    return Measurement(
+        none / full,
+        "ratio",
+        "estimate",
+        f"A 7B-shaped model (32 layers, d = 4096), 4096 tokens: {_gb(none)} of "
+        f"activations without checkpointing, {_gb(full)} with full checkpointing "
+        f"({none / full:.0f}x less), for {extra:.0%} more compute.",
+    )
+
+
 MEASUREMENTS: dict[str, Callable[[Context], Measurement]] = {
     fn.__name__: fn
     for fn in (
         why_distribute,
         tp_weight_share,
+        ddp_wire,
+        checkpointing_memory,
         fsdp_param_shards,
         tp_traffic,
         pipeline_bubble,
