@@ -6,6 +6,9 @@
 - ``dtlab info``: what this machine offers (backend, GPUs, CPU engines it can run).
 - ``dtlab run CONFIG``: train a :class:`dtlab.train.TrainConfig` headless, under
   torchrun or on ``--nproc`` local processes (:mod:`dtlab.run`).
+- ``dtlab plan``: the planner's fastest layouts for a model on N GPUs
+  (:func:`dtlab.estimate.plan`); ``dtlab plan --dry-run``: dtlab's own code at a
+  layout's scale on a fake process group, beside the estimate (:mod:`dtlab.dryrun`).
 - ``dtlab bench [PART ...]``: every comparison with PyTorch's own implementations
   and with the estimates (or only the parts named), in one run, one table
   (:mod:`dtlab.bench`).
@@ -197,6 +200,134 @@ def bench_main(argv=None) -> int:
     return 1 if failed else 0
 
 
+def parse_layout(text: str) -> dict[str, int]:
+    """``"tp8,cp1,pp16,dp64"``, ``"tp8·pp16·dp64"`` or ``"dp=64 tp=8"`` ->
+    ``{"tp": 8, "cp": 1, "pp": 16, "dp": 64}``."""
+    import re
+
+    found = re.findall(r"(dp|tp|pp|cp|ep)\s*=?\s*(\d+)", text)
+    rest = re.sub(r"(dp|tp|pp|cp|ep)\s*=?\s*\d+|[\s,·x*]", "", text)
+    if not found or rest:
+        raise ValueError(
+            f"--layout {text!r}: give degrees like tp8,pp16,dp64 (axes dp, tp, pp, "
+            "cp, ep)"
+        )
+    out: dict[str, int] = {}
+    for axis, n in found:
+        if axis in out:
+            raise ValueError(f"--layout {text!r} names {axis} twice")
+        out[axis] = int(n)
+    return out
+
+
+def _dry_run_config(a):
+    """``(config, world_size, stand-in or None)`` from ``dtlab plan --dry-run``'s
+    options."""
+    from dtlab import dryrun
+    from dtlab.topology import Layout
+    from dtlab.train import TrainConfig
+
+    if a.config:
+        from dtlab.run import load_config
+
+        config = load_config(a.config, a.set)
+        if a.layout:
+            config = config.replace(layout=Layout(**parse_layout(a.layout)))
+        if config.layout is None and a.world is None:
+            raise ValueError("--config without a layout needs --world")
+        return config, a.world or config.layout.world_size, None
+    if a.set:
+        raise ValueError("--set changes a --config file; give --config too")
+    knobs = dict(strategy=a.strategy, precision=a.precision,
+                 checkpointing=a.checkpointing, schedule=a.schedule)  # fmt: skip
+    if a.layout is None and a.model == "405B":
+        gpus = a.world or (16384 if a.context == "128k" else 8192)
+        return dryrun.llama3_405b(a.context, gpus, **knobs)
+    if a.layout is None:
+        raise ValueError(f"--layout is needed for {a.model} (e.g. tp8,pp8,dp16)")
+    layout = Layout(**parse_layout(a.layout))
+    s = dryrun.stand_in(a.model, pp=layout.pp, seq_len=a.seq_len)
+    m = a.microbatches or (layout.pp if layout.pp > 1 else 1)
+    config = TrainConfig(
+        model=s.model, layout=layout, strategy=a.strategy, precision=a.precision,
+        steps=1, global_batch_size=layout.dp * m,
+        microbatches=m if layout.pp > 1 else None, schedule=a.schedule,
+        grad_accum_steps=1 if layout.pp > 1 else m,
+        activation_checkpointing=a.checkpointing,
+    )  # fmt: skip
+    return config, a.world or layout.world_size, s
+
+
+def plan_main(argv=None) -> int:
+    """``dtlab plan MODEL-options [--dry-run ...]``: the planner's fastest layouts,
+    or a dry run of one layout (one table)."""
+    import json
+
+    p = argparse.ArgumentParser(
+        prog="dtlab plan",
+        description="Which layouts fit (dtlab.estimate.plan), or with --dry-run "
+        "dtlab's real parallelize and one step on a fake process group of the "
+        "layout's world, each rank's bytes beside the estimate.",
+    )
+    p.add_argument("--model", default="405B", help="a published model (default 405B)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs to plan for (plan only)")
+    p.add_argument("--global-batch", type=int, default=1024, help="plan only")
+    p.add_argument("--dry-run", action="store_true", help="dry-run one layout")
+    p.add_argument("--config", default=None, help="a TrainConfig JSON/TOML to dry-run")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a --config field")  # fmt: skip
+    p.add_argument("--layout", default=None, help="e.g. tp8,cp1,pp16,dp64")
+    p.add_argument("--context", default="8k", choices=("8k", "128k"),
+                   help="Llama 3 405B's published layout for this context "
+                   "(without --layout)")  # fmt: skip
+    p.add_argument("--world", type=int, default=None, help="world size (ranks)")
+    p.add_argument("--rank", action="append", default=None,
+                   help="rank(s) to dry-run, e.g. --rank 0 --rank 517 or 0,517 "
+                   "(default: one per pipeline role)")  # fmt: skip
+    p.add_argument("--strategy", default="zero2")
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--checkpointing", default="none")
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--microbatches", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per rank")
+    p.add_argument("--json", default=None, help="write the report's JSON here")
+    a = p.parse_args(argv)
+    try:
+        if not a.dry_run:
+            return _plan_table(a)
+        from dtlab.dryrun import dry_run
+
+        config, world, published = _dry_run_config(a)
+        ranks = None
+        if a.rank:
+            ranks = [int(x) for item in a.rank for x in item.split(",") if x.strip()]
+        report = dry_run(config, world, ranks, published=published,
+                         timeout=a.timeout)  # fmt: skip
+    except ValueError as exc:
+        print(f"dtlab plan: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=1, default=str)
+        print(f"wrote {a.json}")
+    return 0
+
+
+def _plan_table(a) -> int:
+    from dtlab import estimate
+
+    result = estimate.plan(a.model, n_gpus=a.gpus, global_batch=a.global_batch)
+    print(f"{a.model} on {a.gpus} GPUs: {len(result.fits)} layouts fit, "
+          f"{len(result.rejected)} do not")  # fmt: skip
+    for row in result.fits[:5]:
+        print(f"  {row.layout}  zero{row.zero_stage}  mb={row.micro_batch_size}  "
+              f"{row.checkpointing:<9} step {row.step_s:.2f} s  "
+              f"{row.memory['total'] / 2**30:.1f} GiB")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `run` and the all-in-one `bench` parse their own options
@@ -206,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_main(argv[1:])
     if argv[:1] == ["bench"]:
         return bench_main(argv[1:])
+    if argv[:1] == ["plan"]:
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="dtlab", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -230,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "run",
         help="train a TrainConfig headless (torchrun or --nproc); see dtlab run -h",
+        add_help=False,
+    )
+    sub.add_parser(
+        "plan",
+        help="layouts that fit (estimate.plan), or --dry-run one at its scale; "
+        "see dtlab plan -h",
         add_help=False,
     )
     sub.add_parser(
