@@ -179,6 +179,107 @@ def test_time_to_train():
         est.train_time(1, 1, 1, 1, 1.5)
 
 
+def test_one_flop_count_with_attention():
+    # a GPT block (tied head): 6N + 12·l·h·s a token is Narayanan's
+    # 72·B·s·l·h²(1 + s/6h + V/12lh); recomputation's hardware FLOPs their 96·...
+    L, h, a, V, s = 4, 64, 4, 100, 32
+    gpt = dict(n_layers=L, d_model=h, n_heads=a, vocab_size=V, seq_len=s,
+               tied_embeddings=True)  # fmt: skip
+    per_token = 72 * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)) / s
+    assert est.model_flops_per_token(gpt) == pytest.approx(per_token)
+    assert est.training_flops(gpt, 10 * s) == pytest.approx(10 * s * per_token)
+    full = 96 * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    assert est.hardware_flops(gpt, s, recompute="full") == pytest.approx(full)
+    # a bare parameter count is Kaplan's 6·N·D, attention left out
+    assert est.training_flops(1e9, 1e6) == 6e15
+    # grouped-query attention's k and v are narrower; SwiGLU has three matrices
+    spec = est.MODELS["405B"]
+    kv = spec.d_model * spec.n_kv_heads // spec.n_heads
+    block = 2 * spec.d_model**2 + 2 * spec.d_model * kv + 3 * spec.d_model * spec.d_ff
+    assert est.matmul_params(spec)["block"] == block
+    # a mixture of experts: top_k of its experts, and MFU over those
+    mix = est.MOE_MODELS["8x7B"]
+    assert mix.active_params == pytest.approx(12.9e9, rel=0.01)
+    assert est.active_params("8x7B") == mix.active_params < mix.n_params
+    plan = est.plan("8x7B", n_gpus=64, global_batch=256)
+    assert all(0 < r.mfu <= 1 for r in plan.fits)
+
+
+def test_step_outputs_mfu_and_the_gpus_own_link():
+    kw = dict(gpu=est.GPUS["H100-80GB"], cluster=est.ClusterSpec(8), microbatches=8)
+    t = est.layout_step_time("13B", est.Parallelism(tp=8), kernel_efficiency=0.4, **kw)
+    # MFU is an output: below the kernels' efficiency by the communication
+    assert 0 < t["mfu"] < 0.4 and t["kernel_efficiency"] == 0.4
+    assert t["achieved_flops_per_gpu"] == pytest.approx(t["mfu"] * 989e12)
+    tokens = 8 * est.MODELS["13B"].seq_len
+    assert t["model_flops"] == pytest.approx(est.training_flops("13B", tokens))
+    assert est.layout_step_time("13B", est.Parallelism(tp=8), mfu=0.4, **kw) == t
+    with pytest.raises(ValueError, match="not both"):
+        est.layout_step_time("13B", est.Parallelism(), mfu=0.4, kernel_efficiency=0.4,
+                             **kw)  # fmt: skip
+    # NVLink per direction from the GPU: an A100's NVLink 3 against an H100's 4
+    assert est.gpu_link(est.GPUS["A100-80GB"]).bandwidth_Bps == 300e9
+    assert est.gpu_link(est.GPUS["H100-80GB"]).bandwidth_Bps == 450e9
+    a100 = est.plan("13B", gpu="A100-80GB", n_gpus=8, global_batch=32)
+    assert a100.assumptions["intra_GBps"] == 300
+    slow = est.layout_step_time(
+        "13B", est.Parallelism(tp=8), **{**kw, "gpu": est.GPUS["A100-80GB"]}
+    )
+    named = est.ClusterSpec(8, intra=est.LINKS["nvlink"])
+    fast = est.layout_step_time(
+        "13B", est.Parallelism(tp=8),
+        **{**kw, "gpu": est.GPUS["A100-80GB"], "cluster": named},
+    )  # fmt: skip
+    assert slow["comm_s"] == pytest.approx(fast["comm_s"] * 1.5, rel=0.05)
+
+
+def test_recomputation_priced_in_time():
+    # full: a forward again, 1/(1 + backward/forward) of a layer's step
+    kw = dict(layer_flops=3e12, score_values=1e8, score_flops=1e10,
+              peak_flops=1e15, hbm_Bps=2e12)  # fmt: skip
+    full = est.recompute_time_overhead("full", **kw)
+    assert full["overhead"] == pytest.approx(1 / (1 + 11.9 / 7.7))
+    two = est.recompute_time_overhead("full", backward_ratio=2.0, **kw)
+    assert two["overhead"] == pytest.approx(1 / 3)  # the FLOPs' own ratio
+    # selective: the score matmuls, and softmax (4 B) + dropout (5 B) a value
+    sel = est.recompute_time_overhead("selective", **kw)
+    want = 1e10 / 0.5e15 + 9 * 1e8 / (2e12 * 0.7)
+    assert sel["recompute_s"] == pytest.approx(want)
+    no_dropout = est.recompute_time_overhead("selective", dropout=False, **kw)
+    assert no_dropout["recompute_s"] == pytest.approx(1e10 / 0.5e15 + 4e8 / 1.4e12)
+    assert est.recompute_time_overhead("none", **kw)["overhead"] == 0
+
+
+def test_llama_activations_and_the_ring():
+    s, b, h, a, t = 8192, 1, 16384, 128, 8
+    spec = est.MODELS["405B"]
+    kw = dict(d_ff=spec.d_ff, n_kv_heads=8, gated_mlp=True, dropout=False)
+    sbh = s * b * h
+    # norms 4, q/k/v and MLP inputs 2 + 2 whole; q 2, k and v 4·8/128, the output
+    # projection's input 2, SwiGLU 6·d_ff/h split; scores 2as/h (no dropout)
+    split = 2 + 4 * 8 / 128 + 2 + 6 * spec.d_ff / h
+    got = est.activation_bytes_per_layer(s, b, h, a, tp=t, **kw)
+    assert got == pytest.approx(sbh * (8 + (split + 2 * a * s / h) / t))
+    sp = est.activation_bytes_per_layer(
+        s, b, h, a, tp=t, sequence_parallel=True, recompute="selective", **kw
+    )
+    assert sp == pytest.approx(sbh / t * (8 + split))
+    # the ring: no score matrix, the output and its lse kept, all / cp
+    ring = est.cp_activation_bytes_per_layer(
+        s, b, h, a, 16, tp=t, sequence_parallel=True, **kw
+    )
+    assert ring == pytest.approx((sp + (sbh + a * s * b) * 2 / t) / 16)
+
+
+def test_largest_model_per_zero_stage():
+    # ZeRO's Table 2: 32 GB V100s, 64-way data parallel
+    sizes = [est.largest_model(32 * GB, 64, s) for s in range(4)]
+    assert [round(x / 1e9, 1) for x in sizes] == [2.0, 7.6, 14.4, 128.0]
+    conv = est.zero_states_conventions(7.5e9, 64, 3, largest_layer_params=1e8)
+    assert conv["paper"] == 16 * 7.5e9 / 64 and conv["dtlab"] == 18 * 7.5e9 / 64
+    assert conv["deepspeed"] == 18 * 7.5e9 / 64 + 4e8
+
+
 def test_gpu_presets():
     assert est.GPUS["A100-40GB"].memory_bytes == 40 * GB
     assert est.GPUS["H200-141GB"].memory_bytes == 141 * GB

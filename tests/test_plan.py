@@ -461,8 +461,14 @@ def test_context_parallelism_splits_activations_and_rings_kv():
         n_layers=2, d_model=16, n_heads=4, vocab_size=32, seq_len=8, n_kv_heads=2
     )
     one = est.layout_memory(tiny, est.Parallelism(dp=2))
-    two = est.layout_memory(tiny, est.Parallelism(dp=1, cp=2))
+    two = est.layout_memory(tiny, est.Parallelism(dp=1, cp=2), cp_variant="ulysses")
     assert two["activations"] == pytest.approx(one["activations"] / 2)
+    # the ring keeps no score matrix: the selective count, the attention output
+    # and its log-sum-exp (s·b·h + a·s·b values a layer), all / cp
+    ring = est.layout_memory(tiny, est.Parallelism(dp=1, cp=2))
+    sel = est.layout_memory(tiny, est.Parallelism(dp=2), checkpointing="selective")
+    kept = 2 * (8 * 16 + 4 * 8) * 4  # 2 layers, fp32
+    assert ring["activations"] == pytest.approx((sel["activations"] + kept) / 2)
     # weights are replicated over cp like over dp: ZeRO-3 shards over dp·cp = 2
     z = est.layout_memory(tiny, est.Parallelism(cp=2), zero_stage=3)
     assert z["params"] == pytest.approx(one["params"] / 2, rel=0.01)
@@ -548,11 +554,22 @@ def test_plan_rows_are_tables_and_inputs_are_checked():
     steps = [r.step_s for r in plan.fits]
     assert steps == sorted(steps)
     assert all(r.memory["total"] <= 72 * est.GB for r in plan.fits)
-    assert plan.assumptions["mfu"] == 0.5
+    # the matmuls' efficiency is the input; each row's MFU is the step's output
+    assert plan.assumptions["kernel_efficiency"] == 0.5
+    best = plan.best
+    assert 0 < best.mfu < 0.5 and best.achieved_flops_per_gpu == pytest.approx(
+        best.mfu * 989e12
+    )
     custom = dict(layers=4, hidden=256, heads=4, vocab=1000, sequence=128)
     untied = est.model_params(4, 256, 1000, tied_embeddings=False)
     assert est.model_spec(custom).n_params == untied  # a separate head by default
     assert est.plan(custom, n_gpus=2, global_batch=8).best.fits
+    # a custom model's keys are checked by name: a typo, or a missing shape
+    with pytest.raises(ValueError, match="hiden"):
+        est.model_spec({**custom, "hiden": 256})
+    with pytest.raises(ValueError, match="vocab_size"):
+        est.model_spec({k: v for k, v in custom.items() if k != "vocab"})
+    assert set(est.CUSTOM_DEFAULTS) >= {"d_ff", "tied_embeddings", "dropout"}
     with pytest.raises(ValueError, match="n_gpus"):
         est.plan("7B", global_batch=8)
     with pytest.raises(ValueError, match="gpu"):

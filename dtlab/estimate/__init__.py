@@ -16,8 +16,10 @@ Sources, cited where each formula appears:
   Transformer Models", §4 and Table 2.
 - Collectives: the ring algorithm's traffic (Patarasuk & Yuan 2009) and nccl-tests'
   bus bandwidth (``doc/PERFORMANCE.md`` in NVIDIA/nccl-tests).
-- Time: the 6·N·D training FLOPs rule (Kaplan et al. 2020, §2.1) and model FLOPs
-  utilisation, MFU (Chowdhery et al. 2022, PaLM, Appendix B).
+- Time: one FLOP count, the matmuls of forward and backward with attention's
+  (Narayanan et al. 2021, §5.1; PaLM's 6N + 12·l·h·s, Chowdhery et al. 2022,
+  Appendix B), the numerator of model FLOPs utilisation, MFU; Kaplan et al. 2020's
+  6·N·D for a bare parameter count (``training_time``).
 
 Units: bytes, seconds, FLOP/s. "GB" in docstrings means 10^9 bytes, as in the ZeRO
 paper (7.5B parameters x 16 bytes = 120 GB).
@@ -26,14 +28,17 @@ The formulas live in submodules, each importing only from those listed before
 it: ``states`` (bytes per parameter, ZeRO's stages, ``GB``), ``activations``
 (Korthikanti), ``models`` (parameter counts, presets, ``model_spec``), ``hardware``
 (GPUs, memory per device), ``collectives`` (bytes on the wire, the α-β model;
-chapter 01), ``training_time`` (6·N·D), ``data_parallel`` (DDP; chapter 02),
-``pipeline`` (bubble, schedules; chapter 05), ``tensor_parallel`` (Megatron;
-chapter 04), ``zero`` (what dtlab.zero holds and sends; chapter 03),
+chapter 01), ``training_time`` (model FLOPs, MFU, 6·N·D), ``data_parallel``
+(DDP; chapter 02), ``pipeline`` (bubble, schedules; chapter 05),
+``tensor_parallel`` (Megatron; chapter 04), ``zero`` (what dtlab.zero holds and
+sends; chapter 03),
 ``context_parallel`` (ring attention and Ulysses; chapter 11), ``moe`` (expert
 parallelism's all-to-alls, drops, imbalance; chapter 11), ``layouts``
-(memory and traffic of a dp x tp x pp x cp x ep layout; chapter 09),
+(the slice and memory of a dp x tp x pp x cp x ep layout; chapter 09),
+``traffic`` (its bytes on the wire),
 ``techniques`` (recomputation, offload; chapter 08), ``serving`` (weights, KV
-cache; chapter 09) and ``planner`` (step time, :func:`plan`; chapter 09). Every
+cache; chapter 09), ``step_time`` (:func:`layout_step_time`, its MFU;
+chapter 09) and ``planner`` (:func:`plan`; chapter 09). Every
 public name is re-exported here: ``from dtlab.estimate import X`` works whichever
 submodule defines X.
 """
@@ -81,13 +86,16 @@ from dtlab.estimate.layouts import (
     Parallelism,
     as_parallelism,
     layout_memory,
-    layout_traffic,
     stage_params,
 )
 from dtlab.estimate.models import (
+    CUSTOM_DEFAULTS,
+    CUSTOM_REQUIRED,
     MODELS,
     MOE_MODELS,
     ModelPreset,
+    active_params,
+    matmul_params,
     model_params,
     model_spec,
 )
@@ -106,10 +114,8 @@ from dtlab.estimate.pipeline import (
     pipeline_step_time,
 )
 from dtlab.estimate.planner import (
-    ClusterSpec,
     Plan,
     PlanRow,
-    layout_step_time,
     plan,
 )
 from dtlab.estimate.serving import (
@@ -122,11 +128,19 @@ from dtlab.estimate.states import (
     PRECISIONS,
     BytesPerParam,
     bytes_per_param,
+    largest_model,
     zero_memory_per_device,
 )
+from dtlab.estimate.step_time import (
+    ClusterSpec,
+    gpu_link,
+    layout_step_time,
+)
 from dtlab.estimate.techniques import (
+    BACKWARD_RATIO,
     offload_bytes_per_step,
     recompute_overhead,
+    recompute_time_overhead,
 )
 from dtlab.estimate.tensor_parallel import (
     LINKS,
@@ -137,7 +151,11 @@ from dtlab.estimate.tensor_parallel import (
     tp_params_per_rank,
     tp_step_time,
 )
+from dtlab.estimate.traffic import layout_traffic
 from dtlab.estimate.training_time import (
+    hardware_flops,
+    model_flops_per_token,
+    step_utilisation,
     train_time,
     training_flops,
 )
@@ -145,6 +163,7 @@ from dtlab.estimate.zero import (
     hsdp_comm_per_step,
     hsdp_states_per_rank,
     zero_comm_per_step,
+    zero_states_conventions,
     zero_states_per_rank,
 )
 
@@ -152,6 +171,8 @@ __all__ = [
     "BytesPerParam",
     "bytes_per_param",
     "zero_memory_per_device",
+    "largest_model",
+    "zero_states_conventions",
     "activation_bytes_per_layer",
     "activation_bytes",
     "dtlab_saved_bytes_per_layer",
@@ -173,6 +194,13 @@ __all__ = [
     "fit_alpha_beta",
     "training_flops",
     "train_time",
+    "model_flops_per_token",
+    "hardware_flops",
+    "step_utilisation",
+    "active_params",
+    "matmul_params",
+    "CUSTOM_DEFAULTS",
+    "CUSTOM_REQUIRED",
     "GB",
     "ddp_bytes_per_step",
     "ddp_bucket_assignment",
@@ -209,6 +237,9 @@ __all__ = [
     "PlanRow",
     "Plan",
     "layout_step_time",
+    "gpu_link",
+    "recompute_time_overhead",
+    "BACKWARD_RATIO",
     "plan",
     "CP_VARIANTS",
     "cp_bytes_per_layer",

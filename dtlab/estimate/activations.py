@@ -28,6 +28,10 @@ def activation_bytes_per_layer(
     sequence_parallel: bool = False,
     recompute: str = "none",
     bytes_per_value: int = 2,
+    d_ff: int | None = None,
+    n_kv_heads: int | None = None,
+    gated_mlp: bool = False,
+    dropout: bool = True,
 ) -> float:
     """Activation bytes one transformer layer keeps for the backward pass
     (Korthikanti et al. 2022, §4.1 and Table 2).
@@ -49,6 +53,18 @@ def activation_bytes_per_layer(
 
     ``bytes_per_value`` rescales from the paper's 2-byte activations (use 4 for fp32).
     Embeddings, the final LayerNorm and the logits are not counted here.
+
+    Llama-style layers, the paper's count term by term (in 2-byte sbh): the two
+    norms' inputs (4) and the inputs of q/k/v and of the MLP (2 + 2) stay whole
+    under tp; q (2), k and v (``2·h_kv/h`` each, grouped-query attention: ``d_ff``,
+    ``n_kv_heads``), the output projection's input (2) and the MLP's are split:
+    a GELU MLP keeps ``4·d_ff/h`` (Korthikanti's 16), a SwiGLU one
+    (``gated_mlp=True``) ``6·d_ff/h``: the gate and up projections, whose SiLU and
+    product the fused kernel recomputes (Megatron-LM's ``bias_swiglu``), and the
+    down projection's input. ``dropout=False`` (Llama) drops the two 1-byte masks
+    (``2sbh``) and, in the scores, the mask and the dropout output: ``2as/h``
+    instead of ``5as/h``. With the defaults (``d_ff = 4h``, multi-head, GELU,
+    dropout) this is exactly Korthikanti's count.
     """
     for name, value in (
         ("seq_len", seq_len),
@@ -64,6 +80,18 @@ def activation_bytes_per_layer(
     recompute = one_of("recompute mode", recompute, RECOMPUTE)
     s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
     sbh = s * b * h
+    paper = (d_ff in (None, 4 * h)) and not n_kv_heads and not gated_mlp and dropout
+    if recompute != "full" and not paper:
+        f = (d_ff or 4 * h) / h
+        kv = (n_kv_heads / a) if n_kv_heads else 1.0
+        whole = 8 + (2 if dropout else 0)  # norms, q/k/v and MLP inputs, masks
+        split = 2 + 4 * kv + 2 + (6 if gated_mlp else 4) * f
+        score = 0.0 if recompute == "selective" else (5 if dropout else 2) * a * s / h
+        if sequence_parallel:
+            per_layer = sbh / t * (whole + split + score)
+        else:
+            per_layer = sbh * (whole + (split + score) / t)
+        return per_layer * bytes_per_value / 2
     scores = 0.0 if recompute == "selective" else 5 * a * s / h
     if recompute == "full":
         per_layer = 2 * sbh / (t if sequence_parallel else 1)

@@ -118,31 +118,37 @@ def cp_activation_bytes_per_layer(
     *,
     variant: str = "ring",
     bytes_per_value: int = 2,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    **layer,
 ) -> float:
     """Activation bytes one rank keeps per layer under context parallelism
-    (Korthikanti et al. 2022, §4.1, on this rank's ``s/cp`` tokens):
+    (Korthikanti et al. 2022, §4.1, on this rank's ``s/cp`` tokens; ``tp``,
+    ``sequence_parallel``, ``recompute`` and the layer's shape, ``layer``: ``d_ff``,
+    ``n_kv_heads``, ``gated_mlp``, ``dropout``, as in
+    :func:`activation_bytes_per_layer`):
 
-    - Ulysses: ``sbh·(34 + 5as/h) / cp``: everything is split, the score matrices
-      too (``nh/cp`` heads of ``s × s`` each);
-    - ring: no score matrix is kept (each block's probabilities are recomputed in
-      backward from the log-sum-exp, like selective recomputation), but the
-      attention output and its ``lse`` are: ``(34·sbh + sbh + asb) / cp``.
+    - Ulysses: that count ``/ cp``: everything is split, the score matrices
+      too (``a/cp`` heads of ``s × s`` each);
+    - ring: no score matrix is kept whatever ``recompute`` says (each block's
+      probabilities are recomputed in backward from the log-sum-exp, as
+      selective recomputation does), but the attention output and its ``lse``
+      are: ``(selective count + (sbh + asb)/t) / cp``. No ``s²`` term at all:
+      what lets Llama 3 405B train on 128K tokens.
+    - full recomputation keeps the layer's input, ``2sbh/cp`` (``/t`` under
+      sequence parallelism), either way.
     """
     variant = one_of("context-parallel variant", variant, CP_VARIANTS)
     positive_int("cp", cp)
-    if variant == "ulysses":
-        full = activation_bytes_per_layer(
-            seq_len, micro_batch, d_model, n_heads, bytes_per_value=bytes_per_value
-        )
-        return full / cp
-    linear = activation_bytes_per_layer(
-        seq_len,
-        micro_batch,
-        d_model,
-        n_heads,
-        recompute="selective",
-        bytes_per_value=bytes_per_value,
-    )
+    kw = dict(
+        bytes_per_value=bytes_per_value, tp=tp, sequence_parallel=sequence_parallel,
+        **layer,
+    )  # fmt: skip
+    args = (seq_len, micro_batch, d_model, n_heads)
+    if variant == "ulysses" or recompute == "full":
+        return activation_bytes_per_layer(*args, recompute=recompute, **kw) / cp
+    linear = activation_bytes_per_layer(*args, recompute="selective", **kw)
     sb = seq_len * micro_batch
-    kept = (sb * d_model + n_heads * sb) * bytes_per_value  # output and lse
+    kept = (sb * d_model + n_heads * sb) * bytes_per_value / tp  # output and lse
     return (linear + kept) / cp

@@ -22,7 +22,10 @@ class GPU:
     """Datasheet numbers of one accelerator (dense, no sparsity).
 
     ``memory_bytes`` is the marketed capacity in 10^9 bytes; a few GB of it go to the
-    CUDA context and allocator fragmentation in practice.
+    CUDA context and allocator fragmentation in practice. ``nvlink_Bps`` is the
+    datasheet's NVLink figure, both directions together (A100: NVLink 3, 600 GB/s;
+    H100, H200: NVLink 4, 900 GB/s); the planner sends half of it each way
+    (:func:`dtlab.estimate.gpu_link`).
     """
 
     name: str

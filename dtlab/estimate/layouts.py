@@ -1,9 +1,11 @@
-"""Layouts: memory and traffic of a dp x tp x pp (x cp x ep) job.
+"""Layouts: the slice of the model a rank holds, and its memory, in a dp x tp x pp
+(x cp x ep) job.
 
 :class:`Parallelism` (a layout with context and expert parallelism),
-:func:`stage_params` (the slice of the model one rank holds), and
-:func:`layout_memory` and :func:`layout_traffic`, built from the formulas of the
-lower modules (states, activations, pipeline, tensor_parallel, zero).
+:func:`stage_params` (the slice of the model one rank holds) and
+:func:`layout_memory`, built from the formulas of the lower modules (states,
+activations, context_parallel, pipeline, zero); :mod:`.traffic` has
+:func:`layout_traffic`, the bytes the same layout sends.
 
 Taught in chapter 09 (planning at scale); chapters 07 and 08 use
 :func:`layout_memory` and :func:`layout_traffic`.
@@ -20,14 +22,11 @@ from dtlab.estimate.activations import (
     dtlab_saved_bytes_outside_layers,
     dtlab_saved_bytes_per_layer,
 )
-from dtlab.estimate.collectives import wire_bytes
-from dtlab.estimate.context_parallel import cp_bytes_per_layer
+from dtlab.estimate.context_parallel import cp_activation_bytes_per_layer
 from dtlab.estimate.models import layer_params, model_spec
-from dtlab.estimate.moe import ep_bytes_per_layer
 from dtlab.estimate.pipeline import pipeline_in_flight
 from dtlab.estimate.states import zero_memory_per_device
-from dtlab.estimate.tensor_parallel import tp_bytes_per_layer
-from dtlab.estimate.zero import zero_comm_per_step, zero_states_per_rank
+from dtlab.estimate.zero import zero_states_per_rank
 from dtlab.events import schedule_name, state_precision
 from dtlab.topology import Layout
 
@@ -122,12 +121,12 @@ def sharded_dense_count(spec, par, sp, zero_stage: int) -> float:
     units = [sp["root"]]
     if par.pp > 1 and spec.tied_embeddings and sp["vocab"]:
         units = [sp["vocab"], sp["root"] - sp["vocab"]]
-    pad = sum(_padded_count(u, group) for u in units)
-    return pad + sp["layers"] * _padded_count(sp["blocks"], group)
+    pad = sum(padded_count(u, group) for u in units)
+    return pad + sp["layers"] * padded_count(sp["blocks"], group)
 
 
-def _padded_count(n: float, group: int) -> float:
-    """ZeRO pads each unit to a multiple of the group (dtlab.zero)."""
+def padded_count(n: float, group: int) -> float:
+    """``n`` rounded up to a multiple of ``group``, as ZeRO pads each unit."""
     return math.ceil(n / group) * group
 
 
@@ -135,6 +134,29 @@ def value_bytes(precision: str) -> int:
     """Bytes of an activation, a gathered weight, a reduced gradient: 4 under fp32,
     2 under any 16-bit precision (:func:`dtlab.events.state_precision`)."""
     return 4 if state_precision(precision) == "fp32" else 2
+
+
+def layer_shape(spec) -> dict:
+    """A preset's keywords of :func:`activation_bytes_per_layer` (the MLP's width
+    and gate, grouped-query attention, dropout)."""
+    return dict(
+        d_ff=spec.d_ff,
+        n_kv_heads=spec.n_kv_heads,
+        gated_mlp=spec.gated_mlp,
+        dropout=spec.dropout,
+    )
+
+
+def paper_layer_bytes(spec, s, b, par, *, cp_variant="ring", **kw) -> float:
+    """Korthikanti's activation bytes of one of ``spec``'s layers on one rank of
+    ``par``: :func:`activation_bytes_per_layer`, or under cp
+    :func:`cp_activation_bytes_per_layer` (ring: no score matrix)."""
+    args = (s, b, spec.d_model, spec.n_heads)
+    if par.cp > 1:
+        return cp_activation_bytes_per_layer(
+            *args, par.cp, variant=cp_variant, **layer_shape(spec), **kw
+        )
+    return activation_bytes_per_layer(*args, **layer_shape(spec), **kw)
 
 
 def _stage_memory(
@@ -177,14 +199,17 @@ def _stage_memory(
             dropout_mask_bytes=dropout_mask_bytes, **layer_kw,
         )  # fmt: skip
     else:
-        per_layer = activation_bytes_per_layer(
-            s, b, spec.d_model, spec.n_heads, recompute=checkpointing,
-            bytes_per_value=bpv, **layer_kw,
-        ) / par.cp  # fmt: skip
+        per_layer = paper_layer_bytes(
+            spec, s, b, par, recompute=checkpointing, bytes_per_value=bpv,
+            cp_variant=cp_variant, **layer_kw,
+        )  # fmt: skip
     if spec.n_experts > 1 and checkpointing != "full":
-        # each token runs top_k experts: the MLP's 19sbh of the 34, k times
+        # each token runs top_k experts: the MLP's share of the count (its input,
+        # 4 or 6 d_ff/h, a dropout mask; 19sbh of Korthikanti's 34), k times
+        f = spec.d_ff / spec.d_model
+        mlp = 2 + (6 if spec.gated_mlp else 4) * f + (1 if spec.dropout else 0)
         per_layer += (
-            (spec.top_k - 1) * 19 * s * b * spec.d_model * bpv / 2 / (par.tp * par.cp)
+            (spec.top_k - 1) * mlp * s * b * spec.d_model * bpv / 2 / (par.tp * par.cp)
         )
     if par.pp > 1:
         key = schedule_name(schedule)
@@ -217,10 +242,12 @@ def _stage_memory(
             )
     else:
         if checkpointing == "full" and sp["layers"]:
-            # backward recomputes one layer at a time: its whole activations, once
-            acts += activation_bytes_per_layer(
-                s, b, spec.d_model, spec.n_heads, bytes_per_value=bpv, **layer_kw
-            ) / par.cp  # fmt: skip
+            # backward recomputes one layer at a time: its whole activations,
+            # once (under ring cp, without a score matrix)
+            acts += paper_layer_bytes(
+                spec, s, b, par, recompute="none", bytes_per_value=bpv,
+                cp_variant=cp_variant, **layer_kw,
+            )  # fmt: skip
         if stage == par.pp - 1:
             # beyond Korthikanti's blocks: the final norm's and the head's inputs
             # (2sbh) and the fp32 log-softmax of the cross-entropy (4·sb·V/t bytes)
@@ -271,13 +298,17 @@ def layout_memory(
       count. Adam's per-tensor step counter (4 bytes a tensor) is left out.
     - Activations: Korthikanti et al. 2022 per layer
       (:func:`activation_bytes_per_layer`: ``sbh(34 + 5as/h)``, tp and sequence
-      parallelism, ``checkpointing`` "none" | "selective" | "full"), divided by cp,
+      parallelism, ``checkpointing`` "none" | "selective" | "full"; a Llama-style
+      preset's own terms: SwiGLU's width, grouped-query K and V, no dropout), under
+      cp :func:`cp_activation_bytes_per_layer` (``cp_variant``: the ring keeps no
+      score matrix, Ulysses divides it by cp),
       times the layers of every microbatch the stage holds at its peak
       (:func:`pipeline_in_flight`; one microbatch without pipelining: gradient
       accumulation runs each backward right after its forward). Full
       checkpointing adds one layer's activations (the one being recomputed, live
-      during its backward only); the last stage adds the head's inputs and the
-      fp32 log-softmax. An upper bound for dtlab's GPT, which has no dropout
+      during its backward only; its score matrix divided by tp and, under
+      Ulysses, cp; none under the ring); the last stage adds the head's inputs
+      and the fp32 log-softmax. An upper bound for dtlab's GPT, which has no dropout
       (the paper counts dropout masks). ``activations="dtlab"`` counts instead
       what dtlab's GPT saves in its forward, exactly
       (:func:`dtlab_saved_bytes_per_layer`, plus the embeddings' and the head's
@@ -332,168 +363,3 @@ def layout_memory(
     # last (the head); the stages between hold no more than the first
     per_stage = [_stage_memory(spec, par, s, **kw) for s in sorted({0, par.pp - 1})]
     return max(per_stage, key=lambda m: m["total"])
-
-
-def _stage_traffic(
-    spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
-    sequence_parallel, chunks, seq_len, cp_variant,
-) -> dict[str, float]:  # fmt: skip
-    bpv = value_bytes(precision)
-    k, b = microbatches, micro_batch_size
-    s = seq_len or spec.seq_len
-    h = spec.d_model
-    sp = stage_params(spec, par, stage)
-    group = par.dp * par.cp
-    out = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
-    # dp (and cp: the same weights): gradients, and ZeRO's gathers
-    dense = sharded_dense_count(spec, par, sp, zero_stage)
-    parts = [(dense, group, "dp")]
-    if sp["experts"]:  # the experts: over the ranks that hold the same ones (edp)
-        parts.append((sp["layers"] * sp["experts"], group // par.ep, "edp"))
-    # ZeRO 2-3 reduce-scatter after every backward (microbatch, or pipeline
-    # microbatch); DDP and ZeRO 0-1 accumulate full gradients, sync once per step
-    per_mb = k if zero_stage >= 2 else 1
-    for psi, n, axis in parts:
-        if n == 1:
-            continue
-        one = zero_comm_per_step(psi, n, zero_stage, bpv)
-        out[axis] = (
-            out.get(axis, 0.0)
-            + per_mb
-            * (
-                wire_bytes("all_reduce", one["all_reduce"], n)
-                + wire_bytes("reduce_scatter", one["reduce_scatter"], n)
-            )
-            + (per_mb if zero_stage == 3 else 1)
-            * wire_bytes("all_gather", one["all_gather"], n)
-        )
-    tokens = b * s // par.cp  # this rank's tokens of one microbatch
-    first, last = stage == 0, stage == par.pp - 1
-    # tp: Megatron's 2 + 2 collectives per block, the vocabulary-parallel
-    # embedding (g) and head (f), and the loss's three small fp32 all-reduces
-    if par.tp > 1:
-        t = par.tp
-        S = tokens * h * bpv
-        per_block = tp_bytes_per_layer(
-            b, s // par.cp, h, t, bytes_per_value=bpv,
-            sequence_parallel=sequence_parallel,
-        )["wire_bytes"]  # fmt: skip
-        mb = sp["layers"] * per_block
-        if first:  # embedding: g (SP: reduce-scatter forward, all-gather back)
-            mb += wire_bytes("all_reduce", S, t)
-        if last:
-            mb += wire_bytes("all_reduce", S, t)  # head: f (SP: gather + scatter)
-            # the loss's max, sum and target logit: fp32, whatever the precision
-            mb += 3 * wire_bytes("all_reduce", tokens * 4, t)
-        out["tp"] = k * mb
-        if sequence_parallel:
-            # the replicated weights of the sequence-split regions (norms,
-            # row-parallel biases, positions) get their gradients summed over tp
-            repl = sp["layers"] * layer_params(spec)["replicated"]
-            if first and spec.learned_positions:
-                repl += s * h
-            if last and spec.layernorm:
-                repl += 2 * h
-            out["tp"] += wire_bytes("all_reduce", repl * bpv, t)
-    # pp: activations forward and gradients backward at every chunk boundary
-    if par.pp > 1:
-        S = tokens * h * bpv / (par.tp if sequence_parallel else 1)
-        v = chunks
-        sends = (v - (1 if last else 0)) + (v - (1 if first else 0))
-        out["pp"] = k * sends * S
-        if spec.tied_embeddings and (first or last):
-            # the embedding group sums the two copies' gradients: whole (in the
-            # compute dtype) after DDP, or ZeRO's reduced slices (master dtype)
-            rows = -(-spec.vocab_size // par.tp) * h
-            payload = rows * bpv
-            if zero_stage >= 1:
-                master = 2 if state_precision(precision) == "pure_bf16" else 4
-                payload = _padded_count(rows, group) / group * master
-            out["pp"] += wire_bytes("all_reduce", payload, 2)
-    if par.cp > 1:
-        # ring: K and V blocks go round the ring (cp-1 hops) forward, and again
-        # with their gradients backward; Ulysses: two all-to-alls each way
-        per_layer = cp_bytes_per_layer(
-            b, s, h // par.tp, par.cp, variant=cp_variant,
-            n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, bytes_per_value=bpv,
-        )["wire_bytes"]  # fmt: skip
-        out["cp"] = k * sp["layers"] * per_layer
-    if par.ep > 1 and spec.n_experts > 1:
-        # dispatch and combine forward, their transposes backward (4 all-to-alls
-        # of the kept rows, uniform routing), and the all-gather of row counts
-        per_layer = ep_bytes_per_layer(
-            tokens, h, par.ep, n_experts=spec.n_experts, top_k=spec.top_k,
-            bytes_per_value=bpv,
-        )["wire_bytes"]  # fmt: skip
-        out["ep"] = k * sp["layers"] * per_layer
-    return out
-
-
-def layout_traffic(
-    model,
-    layout,
-    *,
-    zero_stage: int = 0,
-    precision: str = "fp32",
-    micro_batch_size: int = 1,
-    microbatches: int = 1,
-    sequence_parallel: bool = False,
-    schedule: str = "1f1b",
-    chunks: int = 1,
-    stage: int | None = None,
-    seq_len: int | None = None,
-    cp_variant: str = "ring",
-) -> dict[str, float]:
-    """Wire bytes one rank sends per optimizer step, by axis: ``{"dp", "tp", "pp"}``
-    (plus ``"cp"`` and ``"ep"`` when those axes are used), for pipeline stage
-    ``stage`` or, by default, the busiest rank on each axis.
-
-    - dp: :func:`zero_comm_per_step` on the stage's Ψ over the ``dp·cp`` replicas
-      (a mixture of experts' experts: over the ``dp·cp/ep`` ranks holding the same
-      ones, key ``"edp"``)
-      (2Ψ, ZeRO-3 3Ψ, times the ring's (N-1)/N). ZeRO-2 and -3 do not keep the
-      full gradient, so with several microbatches (gradient accumulation, or a
-      pipeline's) they pay their reduce-scatter (and ZeRO-3 its gathers) per
-      microbatch; DDP and ZeRO-0/1 accumulate and pay once per step.
-    - tp: :func:`tp_bytes_per_layer` per block and microbatch (2 + 2 all-reduces,
-      or their all-gather/reduce-scatter halves under sequence parallelism), plus
-      the vocabulary-parallel embedding and head and the loss's three all-reduces
-      of ``b·s`` values.
-    - pp: one activation forward and one gradient backward per microbatch at
-      every stage boundary the rank owns (``chunks`` per rank when interleaved),
-      plus the tied-embedding all-reduce between the first and the last stage
-      (under ZeRO, of the reduced fp32 slices).
-    - cp (:func:`cp_bytes_per_layer`): ring attention's K/V, ``3·(cp-1)/cp ·
-      2·b·s·h_kv·bytes`` per layer (``cp_variant="ring"``), or Ulysses' four
-      all-to-alls of q, k, v and the output.
-    - ep (:func:`ep_bytes_per_layer`): 4 all-to-alls of ``b·s/cp·top_k·h·bytes``
-      per MoE layer under uniform routing, and the all-gather of the row counts.
-
-    Gradients and 16-bit activations travel in the compute dtype (2 bytes under
-    "bf16"/"fp16", 4 under "fp32").
-    """
-    spec, par = model_spec(model), as_parallelism(layout)
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"unknown ZeRO stage {zero_stage!r}: expected 0, 1, 2 or 3")
-    for name, value in (
-        ("micro_batch_size", micro_batch_size),
-        ("microbatches", microbatches),
-        ("chunks", chunks),
-    ):
-        positive_int(name, value)
-    value_bytes(precision)
-    if par.pp > 1:
-        schedule_name(schedule)  # every schedule moves the same bytes
-    kw = dict(
-        zero_stage=zero_stage, precision=precision,
-        micro_batch_size=micro_batch_size, microbatches=microbatches,
-        sequence_parallel=sequence_parallel, chunks=chunks, seq_len=seq_len,
-        cp_variant=cp_variant,
-    )  # fmt: skip
-    if stage is not None:
-        return _stage_traffic(spec, par, stage, **kw)
-    # the first (most layers, the embedding), a middle one (sends both ways) and the
-    # last (the head) bound every stage on every axis
-    stages = sorted({0, min(1, par.pp - 1), par.pp - 1})
-    per_stage = [_stage_traffic(spec, par, s, **kw) for s in stages]
-    return {k: max(t[k] for t in per_stage) for k in per_stage[0]}

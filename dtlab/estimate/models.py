@@ -28,6 +28,7 @@ def model_params(
     bias: bool = False,
     layernorm: bool = False,
     tied_embeddings: bool = True,
+    rmsnorm: bool = False,
 ) -> int:
     """Parameters of a decoder-only transformer.
 
@@ -42,7 +43,8 @@ def model_params(
     - ``n_heads``, ``n_kv_heads``: grouped-query attention shrinks k and v to
       ``h·n_kv_heads/n_heads`` columns each (LLaMA-2 70B, Llama 3);
     - ``bias``: biases on every Linear but the head; ``layernorm``: two LayerNorms per
-      block and a final one, weight and bias each;
+      block and a final one, weight and bias each; ``rmsnorm``: the same three
+      norms as RMSNorm, a weight each (LLaMA, Llama 3: ``2h`` a block, ``h`` final);
     - ``tied_embeddings=False``: a separate ``V·h`` head.
 
     For dtlab's :class:`~dtlab.model.GPT` this equals the measured count exactly.
@@ -65,9 +67,13 @@ def model_params(
         per_layer += (h + 2 * kv + h) + ((2 if gated_mlp else 1) * f + h)
     if layernorm:
         per_layer += 2 * 2 * h  # ln_1 and ln_2: weight + bias
+    if rmsnorm:
+        per_layer += 2 * h  # two RMSNorms: a weight each
     total = n_layers * per_layer + vocab_size * h + seq_len * h
     if layernorm:
         total += 2 * h  # final LayerNorm
+    if rmsnorm:
+        total += h  # final RMSNorm
     if not tied_embeddings:
         total += vocab_size * h
     return total
@@ -75,7 +81,15 @@ def model_params(
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """A public architecture, enough of it to count parameters and activations."""
+    """A public architecture, enough of it to count parameters, FLOPs and
+    activations.
+
+    Two families are counted exactly: GPT-style (``gated_mlp=False``, ``d_ff =
+    4h``, multi-head attention, LayerNorm, ``dropout=True``: Korthikanti et al.
+    2022's ``sbh(34 + 5as/h)``) and Llama-style (``gated_mlp=True``: SwiGLU with
+    its own ``d_ff``, ``n_kv_heads`` for grouped-query attention, ``rmsnorm``, no
+    dropout, an untied head, RoPE, so no position table: ``learned_positions``
+    False)."""
 
     name: str
     n_layers: int
@@ -93,16 +107,13 @@ class ModelPreset:
     layernorm: bool = False
     n_experts: int = 1  # MLPs per layer (mixture of experts when > 1)
     top_k: int = 1  # experts each token is sent to
+    rmsnorm: bool = False  # Llama's norms: a weight of h each, no bias
+    # dropout after attention's softmax, its output and the MLP: three masks a
+    # layer (Korthikanti counts them); Llama and Mixtral train without
+    dropout: bool = True
 
-    @property
-    def n_params(self) -> int:
-        """Parameter count from the architecture (for the public presets norms and
-        biases are left out; they are well under 0.1 % of these models). A mixture of
-        experts has ``n_experts`` MLPs per layer and a router of ``h·n_experts``."""
-        dense = model_params(
-            self.n_layers,
-            self.d_model,
-            self.vocab_size,
+    def _count_kw(self) -> dict:
+        return dict(
             seq_len=self.seq_len if self.learned_positions else 0,
             d_ff=self.d_ff,
             n_heads=self.n_heads,
@@ -111,20 +122,53 @@ class ModelPreset:
             bias=self.bias,
             layernorm=self.layernorm,
             tied_embeddings=self.tied_embeddings,
+            rmsnorm=self.rmsnorm,
+        )
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count from the architecture. A mixture of experts has
+        ``n_experts`` MLPs per layer and a router of ``h·n_experts``."""
+        dense = model_params(
+            self.n_layers, self.d_model, self.vocab_size, **self._count_kw()
         )
         if self.n_experts == 1:
             return dense
         extra = (self.n_experts - 1) * _mlp_params(self) + self.d_model * self.n_experts
         return dense + self.n_layers * extra
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: :attr:`n_params` less the experts it is not
+        routed to (``n_experts - top_k`` MLPs a layer). Equal to ``n_params`` for a
+        dense model; Mixtral 8x7B: 46.7B in all, 12.9B active."""
+        idle = (self.n_experts - self.top_k) * _mlp_params(self)
+        return self.n_params - self.n_layers * idle
+
+
+def active_params(model) -> int:
+    """Parameters a token passes through (:attr:`ModelPreset.active_params`): what
+    a mixture of experts' FLOPs and MFU are counted over."""
+    return model_spec(model).active_params
+
+
+def _llama(name, layers, h, heads, vocab, seq, ffn, kv=None, **kw) -> ModelPreset:
+    """A Llama-style preset: SwiGLU, RMSNorm, RoPE, untied head, no dropout."""
+    kw = {"rmsnorm": True, "dropout": False, **kw}
+    return ModelPreset(name, layers, h, heads, vocab, seq, ffn, n_kv_heads=kv, **kw)
+
 
 # LLaMA-2 (Touvron et al. 2023, Table 1 and the released configs), GPT-3 (Brown et
-# al. 2020, Table 2.1), Llama 3.1 405B (Dubey et al. 2024, Table 3; 8K pre-training
-# context).
+# al. 2020, Table 2.1), Llama 3 (Dubey et al. 2024, Table 3; 8K pre-training
+# context; "405B" is Llama 3.1 405B; counted exactly, norms included, no dropout).
+# The LLaMA-2 presets keep chapters 00-08's counts: norms left out (2h a block,
+# under 0.002 %) and Korthikanti's dropout masks in the activations (LLaMA-2 trained
+# without dropout: an upper bound, by 2sbh + 3as²b of each layer's bytes).
+_COURSE = dict(rmsnorm=False, dropout=True)
 MODELS: dict[str, ModelPreset] = {
-    "7B": ModelPreset("LLaMA-2 7B", 32, 4096, 32, 32000, 4096, 11008),
-    "13B": ModelPreset("LLaMA-2 13B", 40, 5120, 40, 32000, 4096, 13824),
-    "70B": ModelPreset("LLaMA-2 70B", 80, 8192, 64, 32000, 4096, 28672, n_kv_heads=8),
+    "7B": _llama("LLaMA-2 7B", 32, 4096, 32, 32000, 4096, 11008, **_COURSE),
+    "13B": _llama("LLaMA-2 13B", 40, 5120, 40, 32000, 4096, 13824, **_COURSE),
+    "70B": _llama("LLaMA-2 70B", 80, 8192, 64, 32000, 4096, 28672, kv=8, **_COURSE),
     "175B": ModelPreset(
         "GPT-3 175B",
         96,
@@ -136,37 +180,69 @@ MODELS: dict[str, ModelPreset] = {
         gated_mlp=False,
         learned_positions=True,
         tied_embeddings=True,
+        bias=True,
+        layernorm=True,
     ),
-    "405B": ModelPreset(
-        "Llama 3.1 405B", 126, 16384, 128, 128256, 8192, 53248, n_kv_heads=8
-    ),
+    "405B": _llama("Llama 3.1 405B", 126, 16384, 128, 128256, 8192, 53248, kv=8),
+    "llama3-8B": _llama("Llama 3 8B", 32, 4096, 32, 128256, 8192, 14336, kv=8),
+    "llama3-70B": _llama("Llama 3 70B", 80, 8192, 64, 128256, 8192, 28672, kv=8),
 }
 
 
 MOE_MODELS: dict[str, ModelPreset] = {
     # Mixtral 8x7B (Jiang et al. 2024, Table 1): 8 SwiGLU experts per layer, top-2
-    "8x7B": ModelPreset(
-        "Mixtral 8x7B", 32, 4096, 32, 32000, 4096, 14336, n_kv_heads=8, n_experts=8,
+    "8x7B": _llama(
+        "Mixtral 8x7B",
+        32,
+        4096,
+        32,
+        32000,
+        4096,
+        14336,
+        kv=8,
+        n_experts=8,
         top_k=2,
+        rmsnorm=False,
     ),
-}  # fmt: skip
+}
 
 
 # the planner's plain words for a custom model's shape
 _CUSTOM_ALIASES = {
     "layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
     "vocab": "vocab_size", "sequence": "seq_len", "kv_heads": "n_kv_heads",
-    "experts": "n_experts",
+    "experts": "n_experts", "ffn": "d_ff",
 }  # fmt: skip
+CUSTOM_REQUIRED = ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
+# what a custom model dict gets when it does not say: the textbook GPT block
+# (12·L·h² + V·h with an untied head), Korthikanti's activations (dropout on)
+CUSTOM_DEFAULTS = {
+    "name": "custom",
+    "d_ff": "4 × d_model",
+    "n_kv_heads": None,  # multi-head attention
+    "gated_mlp": False,
+    "learned_positions": False,
+    "tied_embeddings": False,
+    "bias": False,
+    "layernorm": False,
+    "rmsnorm": False,
+    "dropout": True,
+    "n_experts": 1,
+    "top_k": 1,
+}
 
 
 def model_spec(model) -> ModelPreset:
     """The :class:`ModelPreset` of ``model``: a preset name (``"70B"``, ``"8x7B"``),
     a preset, a :class:`dtlab.model.GPTConfig` (counted exactly: biases, LayerNorms,
-    learned positions, tied head), or a dict of a custom architecture
-    (``n_layers, d_model, n_heads, vocab_size, seq_len`` — or ``layers, hidden,
-    heads, vocab, sequence`` — and optionally ``d_ff`` (default 4h), ``n_kv_heads``,
-    ``gated_mlp``, ``n_experts``, ``top_k``...)."""
+    learned positions, tied head), or a dict of a custom architecture.
+
+    A dict needs :data:`CUSTOM_REQUIRED` (``n_layers, d_model, n_heads,
+    vocab_size, seq_len``, or ``layers, hidden, heads, vocab, sequence``); every
+    other key is optional with the default of :data:`CUSTOM_DEFAULTS` (a GPT block
+    with ``d_ff = 4h``, multi-head attention, untied head, no position table, no
+    biases or norms counted, dropout on). A key that is neither is refused by
+    name, as is a missing one."""
     if isinstance(model, ModelPreset):
         return model
     if isinstance(model, str):
@@ -176,13 +252,24 @@ def model_spec(model) -> ModelPreset:
         return table[model]
     if isinstance(model, dict):
         d = {_CUSTOM_ALIASES.get(k, k): v for k, v in model.items()}
+        known = set(CUSTOM_REQUIRED) | set(CUSTOM_DEFAULTS)
+        unknown = [k for k in model if _CUSTOM_ALIASES.get(k, k) not in known]
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {unknown} in the custom model: expected "
+                f"{list(CUSTOM_REQUIRED)} and optionally {list(CUSTOM_DEFAULTS)} "
+                f"(or the aliases {list(_CUSTOM_ALIASES)})"
+            )
+        missing = [k for k in CUSTOM_REQUIRED if k not in d]
+        if missing:
+            raise ValueError(
+                f"the custom model misses {missing}: give {list(CUSTOM_REQUIRED)}"
+            )
         d.setdefault("name", "custom")
-        d.setdefault("d_ff", 4 * d.get("d_model", 0))
+        d.setdefault("d_ff", 4 * d["d_model"])
         d.setdefault("gated_mlp", False)
-        try:
-            spec = ModelPreset(**d)
-        except TypeError as e:
-            raise ValueError(f"bad custom model {model!r}: {e}") from None
+        d.setdefault("dropout", True)
+        spec = ModelPreset(**d)
         _check_spec(spec)
         return spec
     if hasattr(model, "tied_head") and hasattr(model, "d_model"):  # a GPTConfig
@@ -217,6 +304,11 @@ def _check_spec(spec: ModelPreset) -> None:
         raise ValueError(
             f"top_k={spec.top_k} must lie in 1..n_experts={spec.n_experts}"
         )
+    kv = spec.n_kv_heads
+    if kv is not None and (kv < 1 or spec.n_heads % kv):
+        raise ValueError(
+            f"n_kv_heads={kv} must divide n_heads={spec.n_heads} (grouped queries)"
+        )
 
 
 def _mlp_params(spec: ModelPreset) -> int:
@@ -231,20 +323,12 @@ def _mlp_params(spec: ModelPreset) -> int:
 def layer_params(spec: ModelPreset) -> dict[str, float]:
     """One block's parameters: ``dense`` (attention, norms and, without experts, the
     MLP), ``experts`` (all experts' MLPs), ``replicated`` (what tp does not split:
-    LayerNorms and the row-parallel layers' biases, Megatron §3)."""
-    kw = dict(
-        seq_len=spec.seq_len if spec.learned_positions else 0,
-        d_ff=spec.d_ff,
-        n_heads=spec.n_heads,
-        n_kv_heads=spec.n_kv_heads,
-        gated_mlp=spec.gated_mlp,
-        bias=spec.bias,
-        layernorm=spec.layernorm,
-        tied_embeddings=spec.tied_embeddings,
-    )
+    the norms and the row-parallel layers' biases, Megatron §3)."""
+    kw = spec._count_kw()
     h, V = spec.d_model, spec.vocab_size
     block = model_params(1, h, V, **kw) - model_params(0, h, V, **kw)
     replicated = (4 * h if spec.layernorm else 0) + (2 * h if spec.bias else 0)
+    replicated += 2 * h if spec.rmsnorm else 0
     if spec.n_experts == 1:
         return {"dense": block, "experts": 0, "replicated": replicated}
     mlp = _mlp_params(spec)
@@ -254,3 +338,16 @@ def layer_params(spec: ModelPreset) -> dict[str, float]:
         "experts": spec.n_experts * mlp,
         "replicated": replicated + h * spec.n_experts,
     }
+
+
+def matmul_params(spec: ModelPreset) -> dict[str, float]:
+    """The weights a token multiplies by, the FLOPs' ``N``: ``{"block"}`` (one
+    block: attention's q, k, v, output and the ``top_k`` experts' MLPs, or the
+    MLP, and the router; no norms or biases) and ``{"head"}`` (``V·h``, tied or
+    not; the embedding lookup and a position table are no matmuls)."""
+    h, f = spec.d_model, spec.d_ff
+    kv = h if not spec.n_kv_heads else h * spec.n_kv_heads // spec.n_heads
+    mlp = (3 if spec.gated_mlp else 2) * h * f
+    router = h * spec.n_experts if spec.n_experts > 1 else 0
+    block = 2 * h * h + 2 * h * kv + spec.top_k * mlp + router
+    return {"block": block, "head": spec.vocab_size * h}

@@ -122,3 +122,25 @@ def zero_memory_per_device(
         "optimizer": opt,
         "total": params + grads + opt,
     }
+
+
+def largest_model(
+    memory_bytes: float,
+    world_size: int,
+    stage: int,
+    precision: str = "mixed",
+    optimizer: str = "adam",
+    *,
+    model_parallel: int = 1,
+) -> float:
+    """The inverse question: the most parameters whose model states fit in
+    ``memory_bytes`` per device under ZeRO ``stage`` over ``world_size``
+    data-parallel devices, the model split ``model_parallel`` ways besides
+    (:func:`zero_memory_per_device` solved for Ψ; activations and buffers left
+    out, as the ZeRO paper's Table 2 leaves them). Mixed-precision Adam on a
+    32 GB V100, 64 devices: 2B (DDP), 7.6B, 14.4B, 128B for stages 0-3."""
+    if memory_bytes <= 0:
+        raise ValueError(f"memory_bytes must be positive, got {memory_bytes}")
+    positive_int("model_parallel", model_parallel)
+    per_param = zero_memory_per_device(1.0, world_size, stage, precision, optimizer)
+    return model_parallel * memory_bytes / per_param["total"]

@@ -31,7 +31,8 @@ def recompute_overhead(
     ``8bsh²``, under full; ``softmax·V``, ``2bs²h``, under selective). The
     embeddings, head and loss are left out (never recomputed). Softmax and masking
     are not FLOPs here; where they are memory-bound, selective recomputation costs
-    more time than this share.
+    more time than this share. The time a step pays (the planner's price, checked
+    against Korthikanti's Table 4) is :func:`recompute_time_overhead`'s.
     """
     mode = one_of("recompute mode", mode, RECOMPUTE)
     if seq_len <= 0 or d_model <= 0:
@@ -69,3 +70,61 @@ def offload_bytes_per_step(
     to_host = n_params / dp * grad_bytes
     to_device = n_params / dp * param_bytes
     return {"to_host": to_host, "to_device": to_device, "total": to_host + to_device}
+
+
+# Korthikanti et al. 2022, Table 4 (a 22B layer on A100s, tp 8): forward 7.7 ms,
+# backward 11.9 ms. Backward runs twice forward's matmul FLOPs in 1.55x its time
+# (its weight-gradient GEMMs are larger and run closer to peak), so re-running a
+# forward costs 7.7 / 19.6 = 39 % of a step, not the FLOPs' 1/3.
+BACKWARD_RATIO = 11.9 / 7.7
+MEMORY_EFFICIENCY = 0.7  # share of HBM bandwidth an elementwise kernel streams at
+
+
+def recompute_time_overhead(
+    mode: str,
+    *,
+    layer_flops: float,
+    score_values: float,
+    score_flops: float,
+    peak_flops: float,
+    hbm_Bps: float,
+    kernel_efficiency: float = 0.5,
+    dropout: bool = True,
+    backward_ratio: float = BACKWARD_RATIO,
+    memory_efficiency: float = MEMORY_EFFICIENCY,
+) -> dict[str, float]:
+    """Time recomputation adds to one layer's training step, and its share.
+
+    Stated model, per layer and microbatch on one rank: ``layer_flops`` (forward
+    + backward matmul FLOPs) run at ``kernel_efficiency`` of ``peak_flops``; that
+    is the step without recomputation, ``t``. Backward takes ``backward_ratio``
+    times forward's time (default Korthikanti's measured 1.55; the FLOPs'
+    2 gives 1/3):
+
+    - ``"full"`` re-runs the forward: ``t / (1 + backward_ratio)``, 39 % of the
+      step at 1.55 (Korthikanti's Table 4: +39 %);
+    - ``"selective"`` re-runs the attention core: its matmuls, ``score_flops``
+      (``QKᵀ`` and ``softmax·V``, 4·b·s²·h/t), at ``kernel_efficiency``, and the
+      memory-bound passes over the ``score_values`` (a·s²·b/t) it rebuilds, at
+      ``memory_efficiency`` of ``hbm_Bps``: softmax reads and writes 2 bytes a
+      value (4), dropout reads 2, writes 2 and a 1-byte mask (5, when
+      ``dropout``). FLOPs alone say +2 % for the 22B layer; the passes make it
+      +6 % (Korthikanti's Table 4: +7 %).
+
+    Returns ``{"step_s": t, "recompute_s", "overhead": recompute_s / t}``."""
+    mode = one_of("recompute mode", mode, RECOMPUTE)
+    if peak_flops <= 0 or not 0 < kernel_efficiency <= 1:
+        raise ValueError("peak_flops must be positive, kernel_efficiency in (0, 1]")
+    if backward_ratio <= 0:
+        raise ValueError(f"backward_ratio must be positive, got {backward_ratio}")
+    rate = peak_flops * kernel_efficiency
+    step = layer_flops / rate
+    if mode == "full":
+        extra = step / (1 + backward_ratio)
+    elif mode == "selective":
+        passes = (4 + (5 if dropout else 0)) * score_values
+        memory = passes / (hbm_Bps * memory_efficiency) if hbm_Bps > 0 else 0.0
+        extra = score_flops / rate + memory
+    else:
+        extra = 0.0
+    return {"step_s": step, "recompute_s": extra, "overhead": extra / step}

@@ -161,3 +161,34 @@ def hsdp_comm_per_step(
         "replicate": replicate,
         "wire": shard["wire"] + replicate["wire"],
     }
+
+
+def zero_states_conventions(
+    n_params: float, world_size: int, stage: int, *, largest_layer_params: float = 0
+) -> dict[str, float]:
+    """Model-state bytes per rank of mixed-precision Adam under ZeRO ``stage``, as
+    three accounts count them (the differences named, not hidden):
+
+    - ``"paper"``: ZeRO §5.1, ``2Ψ + 2Ψ + 12Ψ`` split by stage
+      (:func:`zero_memory_per_device`): 16 bytes a parameter at stage 3;
+    - ``"dtlab"``: what dtlab.zero holds (:func:`zero_states_per_rank`): the
+      optimizer steps an fp32 gradient slice of its own, ``4Ψ/N`` where the paper
+      counts the 16-bit ``2Ψ/N``: 18 bytes a parameter at stage 3, ``2Ψ +
+      16Ψ/N`` at stage 2;
+    - ``"deepspeed"``: DeepSpeed's estimators
+      (``estimate_zero2_model_states_mem_needs``, ``..._zero3_...`` without
+      offload): ``2Ψ + 18Ψ/N`` at stage 2 (the 16-bit gradient slice *and* the
+      fp32 one) and, at stage 3, ``18Ψ/N`` plus the largest layer gathered,
+      ``4 · largest_layer_params`` (its 16-bit weights and gradients), a
+      transient dtlab does not count.
+    """
+    if stage not in (2, 3):
+        raise ValueError(f"DeepSpeed estimates stages 2 and 3, got {stage!r}")
+    positive_int("world_size", world_size)
+    paper = zero_memory_per_device(n_params, world_size, stage, "mixed")["total"]
+    ours = zero_states_per_rank(n_params, world_size, stage, "mixed")["total"]
+    if stage == 2:
+        deepspeed = 2 * n_params + int(18 * n_params / world_size)
+    else:
+        deepspeed = 4 * largest_layer_params + int(18 * n_params / world_size)
+    return {"paper": paper, "dtlab": ours, "deepspeed": float(deepspeed)}

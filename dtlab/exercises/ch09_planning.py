@@ -44,10 +44,15 @@ def _config(model, layout, gpu, cluster, zero_stage, b, m, sp) -> dict:
     )
 
 
+def nodes(n_gpus: int, **kw) -> est.ClusterSpec:
+    """A cluster at the exercise's stated link: NVLink 4's 450 GB/s inside every
+    node, whatever the GPU (``cluster.link`` returns it)."""
+    return est.ClusterSpec(n_gpus, intra=est.LINKS["nvlink"], **kw)
+
+
 def _hidden_configs() -> list[dict]:
     """Five configurations: each axis alone and together, two GPUs, two networks."""
-    nodes = est.ClusterSpec
-    ethernet = est.ClusterSpec(n_gpus=128, inter=est.LINKS["ethernet"])
+    ethernet = nodes(128, inter=est.LINKS["ethernet"])
     return [
         _config("7B", Layout(dp=8), "H100-80GB", nodes(8), 1, 2, 4, False),
         _config("13B", Layout(dp=2, tp=8), "H100-80GB", nodes(16), 1, 1, 8, True),
@@ -64,7 +69,11 @@ def _hidden_configs() -> list[dict]:
 def _estimate(cfg: dict) -> dict:
     """dtlab's planner on one configuration, and the reference's split of it."""
     kw = {k: v for k, v in cfg.items() if k not in ("model", "layout")}
-    planner = est.layout_step_time(cfg["model"], cfg["layout"], precision="bf16", **kw)
+    # the exercise's FLOPs are chapter 04's textbook count (8h² of attention, a
+    # gated MLP as 1.5 × d_ff), which the planner gives with flops="megatron"
+    planner = est.layout_step_time(
+        cfg["model"], cfg["layout"], precision="bf16", flops="megatron", **kw
+    )
     split = step_time(cfg["model"], cfg["layout"], **kw)
     comm = split["tp_s"] + split["pp_s"] + split["dp_s"]
     pairs = [

@@ -49,7 +49,7 @@ SETTINGS = (
     "model",
     *SHAPE,
     *("gpu_GB", "tflops", "n_gpus", "gpus_per_node", "intra_GBps", "inter_GBps"),
-    *("global_batch", "precision", "mfu", "offload"),
+    *("global_batch", "precision", "kernel_efficiency", "offload"),
     *("context_parallel", "expert_parallel"),
 )
 
@@ -115,11 +115,12 @@ def plan_table_html(plan: estimate.Plan, n: int = 8, n_rejected: int = 4) -> str
     """The fastest layouts as an HTML table, then a few rejected ones and why."""
     cols = ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "m", "checkpointing")
     nums = ("total_GB", "step_s", "compute_s", "comm_s", "bubble_s", "mfu")
-    head = "".join(f"<th>{c}</th>" for c in (*cols, *nums))
+    head = "".join(f"<th>{c}</th>" for c in (*cols, *nums, "TFLOP/s"))
     body = []
     for row in plan.table(n):
         cells = [str(row[c]) for c in cols]
         cells += [f"{row[c]:.2f}" if c != "mfu" else f"{row[c]:.0%}" for c in nums]
+        cells.append(f"{row['tflops_per_gpu']:.0f}")  # achieved, per GPU
         body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     out = [f"<table><tr>{head}</tr>{''.join(body)}</table>"]
     if not plan.fits:
@@ -149,11 +150,12 @@ class PlannerPanel:
         gpus_per_node: int = 8,
         global_batch: int = 64,
         precision: str = "bf16",
-        mfu: float = 0.5,
+        kernel_efficiency: float = 0.5,
         offload: bool = False,
         n_rows: int = 8,
     ):
         base = estimate.GPUS[gpu]
+        self._base_gpu = base
         names = [*estimate.MODELS, *estimate.MOE_MODELS, CUSTOM]
         s = dict(style={"description_width": "initial"})
         self.n_rows = n_rows
@@ -170,7 +172,9 @@ class PlannerPanel:
         self.tflops = FloatText(base.peak_bf16_flops / 1e12, description="TFLOP/s")
         self.n_gpus = IntText(n_gpus, description="GPUs", **s)
         self.gpus_per_node = IntText(gpus_per_node, description="per node", **s)
-        self.intra_GBps = FloatText(450.0, description="intra GB/s", **s)
+        # the GPU's own NVLink, each way (an A100's 300, an H100's 450)
+        intra = estimate.gpu_link(base).bandwidth_Bps / estimate.GB
+        self.intra_GBps = FloatText(intra, description="intra GB/s", **s)
         self.inter_GBps = FloatText(50.0, description="inter GB/s", **s)
         self.global_batch = IntText(global_batch, description="global batch", **s)
         self.precision = Dropdown(
@@ -179,9 +183,11 @@ class PlannerPanel:
             description="precision",
             **s,
         )
-        self.mfu = FloatSlider(
-            value=mfu, min=0.1, max=0.9, step=0.05, description="MFU", **s
-        )
+        # the matmuls' share of peak: an input; each layout's MFU is an output
+        self.kernel_efficiency = FloatSlider(
+            value=kernel_efficiency, min=0.1, max=0.9, step=0.05,
+            description="kernel efficiency", **s,
+        )  # fmt: skip
         self.offload = Checkbox(value=offload, description="ZeRO-Offload")
         self.context_parallel = Checkbox(value=False, description="try cp")
         self.expert_parallel = Checkbox(value=False, description="try ep")
@@ -199,7 +205,7 @@ class PlannerPanel:
         knobs = HBox(
             [
                 self.precision,
-                self.mfu,
+                self.kernel_efficiency,
                 self.offload,
                 self.context_parallel,
                 self.expert_parallel,
@@ -249,12 +255,13 @@ class PlannerPanel:
 
     def settings(self) -> dict:
         """The keyword arguments :func:`dtlab.estimate.plan` gets."""
+        base = self._base_gpu
         gpu = estimate.GPU(
             f"{self.gpu_GB.value:g} GB GPU",
             self.gpu_GB.value * estimate.GB,
             self.tflops.value * 1e12,
-            0.0,
-            0.0,
+            base.hbm_Bps,  # what the memory-bound passes of recomputation stream at
+            self.intra_GBps.value * 2 * estimate.GB,
         )
         # the boxes set each link's bandwidth; its latency stays the preset's
         intra, inter = estimate.LINKS["nvlink"], estimate.LINKS["infiniband"]
@@ -273,7 +280,7 @@ class PlannerPanel:
             cluster=cluster,
             global_batch=self.global_batch.value,
             precision=self.precision.value,
-            mfu=self.mfu.value,
+            kernel_efficiency=self.kernel_efficiency.value,
             offload=self.offload.value,
             cp_options=(1, 2, 4, 8) if self.context_parallel.value else (1,),
             ep_options=(1, 2, 4, 8) if self.expert_parallel.value else (1,),
