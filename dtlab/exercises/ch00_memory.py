@@ -68,6 +68,12 @@ def _why_zero2(got, psi, n, p, g, k) -> str:
             "The sharded part grows with N: divide it by the number of GPUs",
         ),
         (
+            p * psi + (g + k) * psi * (n - 1) / n,
+            "Each GPU keeps (N−1)/N of the sharded states: that is the ring's "
+            "share of the traffic, not of the memory. A GPU holds only its own 1/N "
+            "slice",
+        ),
+        (
             p * psi + (g + 12) * psi / n,
             "K is taken as 12 whatever the optimizer: use the K argument",
         ),

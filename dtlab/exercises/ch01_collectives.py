@@ -12,6 +12,8 @@ events what each rank sent, to whom, and how many bytes.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from dtlab import comm
@@ -55,6 +57,7 @@ def probe_ring(solution, kind: str, chunk_sizes) -> list[dict]:
                 "k": k,
                 "output": output,
                 "total": torch.stack(inputs).sum(0),  # (N·k,) what the sum is
+                "inputs": torch.stack(inputs),  # (N, N·k) every rank's input
                 "input_changed": kind == "reduce_scatter"
                 and not torch.equal(mine, inputs[r]),
                 "events": [
@@ -69,7 +72,8 @@ def probe_ring(solution, kind: str, chunk_sizes) -> list[dict]:
 
 # ---- judging -------------------------------------------------------------------------
 def _judge_traffic(r: int, n: int, case: dict, sends_expected: int, what: str) -> None:
-    """Only isend/irecv, only to the right and from the left, the ring's count and
+    """Only point-to-point messages (isend/irecv, or send/recv ordered so the ring
+    cannot deadlock), only to the right and from the left, the ring's count and
     size of messages."""
     where = f"rank {r}, {case['k']} element(s) per chunk"
     if case["forbidden"]:
@@ -131,12 +135,48 @@ def _which_chunk(output: torch.Tensor, total: torch.Tensor, n: int) -> int | Non
     return None
 
 
+def _contents(got: torch.Tensor, inputs: torch.Tensor, n: int):
+    """(j, ranks): ``got`` is chunk j summed over exactly those ranks' inputs (the
+    largest such set), or None. Exact: the inputs are integers."""
+    for size in range(n, 0, -1):
+        for ranks in itertools.combinations(range(n), size):
+            for j, chunk in enumerate(inputs[list(ranks)].chunk(n, dim=1)):
+                if torch.equal(got, chunk.sum(0)):
+                    return j, list(ranks)
+    return None
+
+
+def _partial_said(got, inputs, n: int, r: int, chunk: int, why=True) -> str:
+    """What a wrong ``got`` (meant to be chunk ``chunk`` summed over all ranks)
+    holds instead, and (``why``) the cause that suggests."""
+    found = _contents(got, inputs, n)
+    if found is None:
+        return "is no sum of the ranks' chunks"
+    j, ranks = found
+    if j != chunk:
+        return f"holds chunk {j} summed over ranks {ranks}, not chunk {chunk}"
+    missing = sorted(set(range(n)) - set(ranks))
+    if why and ranks == [r]:  # its own chunk went round and never came back
+        return (
+            f"holds only this rank's own part of chunk {j}: the partial sums of "
+            f"chunk {j} travelled on and never came back, so the chunk order is off"
+        )
+    why = (
+        ""
+        if not why
+        else ": what arrived was copied over the chunk instead of added to it"
+        if missing == [r]
+        else ": a step's arriving partial sum was dropped or overwritten"
+    )
+    return f"holds chunk {j} without the contributions of ranks {missing}{why}"
+
+
 @exercise(
     "ring_reduce_scatter",
     chapter=1,
     reference=ring_reduce_scatter,
     measures=(
-        "output == slice r of the sum (exact); only isend/irecv, every send to "
+        "output == slice r of the sum (exact); only point-to-point, every send to "
         "(r+1) mod N, N−1 sends of S/N bytes; input left untouched"
     ),
 )
@@ -151,18 +191,23 @@ def check_ring_reduce_scatter(solution, cluster=None):
             want = case["total"].chunk(n)[r]
             if not torch.equal(case["output"], want):
                 j = _which_chunk(case["output"], case["total"], n)
-                held = (
-                    f"it holds the whole sum of chunk {j}, not of chunk {r}"
-                    if j is not None
-                    else "it holds a partial sum"
-                )
+                if j is None:  # judged on the largest chunks: no chance matches
+                    big = cases[-1]
+                    raise ExerciseFailed(
+                        f"rank {r}, {big['k']} element(s) per chunk: the output is "
+                        f"not slice {r} of the sum; it "
+                        f"{_partial_said(big['output'], big['inputs'], n, r, r)}. "
+                        "At step s rank r sends chunk (r−s−1) mod N and adds what "
+                        "it receives into its copy of chunk (r−s−2) mod N, so the "
+                        "last chunk it completes is chunk r."
+                    )
                 raise ExerciseFailed(
                     f"rank {r}, {case['k']} element(s) per chunk: the output is not "
-                    f"slice {r} of the sum; {held}. The messages went to the right "
-                    "neighbour with the right sizes, so the chunk order is off: at "
-                    "step s rank r sends chunk (r−s−1) mod N and adds what it "
-                    "receives into chunk (r−s−2) mod N, so the last chunk it "
-                    "completes is chunk r."
+                    f"slice {r} of the sum; it holds the whole sum of chunk {j}, not "
+                    f"of chunk {r}. The messages went to the right neighbour with "
+                    "the right sizes, so the chunk order is off: at step s rank r "
+                    "sends chunk (r−s−1) mod N and adds what it receives into chunk "
+                    "(r−s−2) mod N, so the last chunk it completes is chunk r."
                 )
             if case["input_changed"]:
                 raise ExerciseFailed(
@@ -171,8 +216,8 @@ def check_ring_reduce_scatter(solution, cluster=None):
                 )
     return [
         f"output is slice r of the sum on all {n} ranks, for {len(CHUNK_SIZES)} sizes",
-        f"only isend/irecv; every send went to (r+1) mod N; {n - 1} sends of S/N "
-        f"bytes each: (N−1)/N·S per rank",
+        f"only point-to-point messages; every send went to (r+1) mod N; {n - 1} "
+        "sends of S/N bytes each: (N−1)/N·S per rank",
     ]
 
 
@@ -181,7 +226,7 @@ def check_ring_reduce_scatter(solution, cluster=None):
     chapter=1,
     reference=ring_all_reduce,
     measures=(
-        "result == the sum (exact); only isend/irecv, every send to (r+1) mod N, "
+        "result == the sum (exact); only point-to-point, every send to (r+1) mod N, "
         "2(N−1) sends of S/N bytes: (N−1)/N·S per phase"
     ),
 )
@@ -200,13 +245,23 @@ def check_ring_all_reduce(solution, cluster=None):
                     f"{where}: the result is the mean, not the sum. An all-reduce "
                     "sums; dividing by N is the caller's business (DDP does it)."
                 )
+            if not torch.equal(cases[-1]["output"], cases[-1]["total"]):
+                case = cases[-1]  # the largest chunks: no chance matches below
+                got, total = case["output"], case["total"]
+                where = f"rank {r}, {case['k']} element(s) per chunk"
             whole = [
                 j
                 for j, c in enumerate(got.chunk(n))
                 if torch.equal(c, total.chunk(n)[j])
             ]
+            wrong = next(j for j in range(n) if j not in whole)
+            held = _partial_said(
+                got.chunk(n)[wrong], case["inputs"], n, r, wrong, False
+            )
+            right = f"chunks {whole} are right" if whole else "no chunk is right"
             raise ExerciseFailed(
-                f"{where}: the result is not the sum; chunk(s) {whole} are right. "
+                f"{where}: the result is not the sum; {right}, and chunk {wrong} "
+                f"{held}. "
                 "After the reduce-scatter phase each rank holds one finished chunk: "
                 "the all-gather phase must pass the finished chunks on round the "
                 "ring, each rank overwriting its copy."
@@ -214,6 +269,6 @@ def check_ring_all_reduce(solution, cluster=None):
     return [
         f"every rank holds the exact sum, on all {n} ranks, for "
         f"{len(CHUNK_SIZES)} sizes",
-        f"only isend/irecv; every send went to (r+1) mod N; 2(N−1) = {2 * n - 2} sends "
-        "of S/N bytes: (N−1)/N·S in each phase",
+        "only point-to-point messages; every send went to (r+1) mod N; "
+        f"2(N−1) = {2 * n - 2} sends of S/N bytes: (N−1)/N·S in each phase",
     ]

@@ -196,12 +196,18 @@ def _judge_launches(r: int, rep: dict, sizes: list[int], what: str, ordered: boo
         )
     got = [e["bytes"] for e in rep["launches"]]
     k = len(sizes)
-    steps = [got[i * k : (i + 1) * k] for i in range(STEPS)]
+    # each launch belongs to the step whose window it started in, so a message about
+    # step 0 shows step 0's launches however many the answer made per step
+    steps = [[] for _ in range(STEPS)]
+    for e in rep["launches"]:
+        steps[rep["windows"].index(_window(rep["windows"], e["t_launch"]))].append(
+            e["bytes"]
+        )
     same = (lambda a: a == sizes) if ordered else (lambda a: sorted(a) == sorted(sizes))
     if len(got) != k * STEPS or not all(same(step) for step in steps):
         raise ExerciseFailed(
             f"rank {r} all-reduced {len(got) / STEPS:g} tensors per step, of "
-            f"{got[:k]} bytes in step 0; {what} all-reduces {k} per step, of "
+            f"{steps[0]} bytes in step 0; {what} all-reduces {k} per step, of "
             f"{sizes} bytes" + (" in that order." if ordered else ".")
         )
 
@@ -376,13 +382,27 @@ def probe_accumulation(solution, k: int) -> dict:
     r, n = rank_and_size()
     model = DistributedDataParallel(exercise_model())  # its broadcast: not watched
     opt = CountingSGD(model.parameters(), lr=LR)
+    # microbatches whose forward ran and whose backward has not reached them yet:
+    # their activations are alive together
+    held = {"now": 0, "most": 0}
+
+    def on_forward(module, inputs, out):
+        held["now"] += 1
+        held["most"] = max(held["most"], held["now"])
+        if out.requires_grad:
+            out.register_hook(lambda grad: held.update(now=held["now"] - 1))
+
+    hook = model.module.register_forward_hook(on_forward)
     with Watch() as seen:
         for step in range(STEPS):
             x, y = _batch(step, r, n)
             opt.zero_grad(set_to_none=True)
             micro = list(zip(x.chunk(k), y.chunk(k)))
             solution(model, opt, micro, nn.functional.mse_loss)
+            held["now"] = 0
+    hook.remove()
     return {
+        "held_at_once": held["most"],
         "weights": {
             key: v.detach().clone() for key, v in model.module.state_dict().items()
         },
@@ -398,7 +418,8 @@ def probe_accumulation(solution, k: int) -> dict:
     reference=accumulate_and_step,
     measures=(
         "weights == one process on the whole batch; one all-reduce per bucket per "
-        "optimizer step (not per microbatch), one optimizer step"
+        "optimizer step (not per microbatch), one optimizer step; each "
+        "microbatch's backward before the next one's forward"
     ),
 )
 def check_no_sync_accumulation(solution, cluster=None, k: int = MICRO_BATCHES):
@@ -432,7 +453,17 @@ def check_no_sync_accumulation(solution, cluster=None, k: int = MICRO_BATCHES):
             "them), each loss divided by k?"
         ),
     )
+    for r, rep in enumerate(reports):
+        if rep["held_at_once"] > 1:
+            raise ExerciseFailed(
+                f"rank {r} held {rep['held_at_once']} microbatches' activations at "
+                "once: a forward ran before the previous microbatch's backward (one "
+                "backward of the summed losses). Accumulation exists to hold one "
+                "microbatch at a time: run each one's backward before the next "
+                "forward."
+            )
     return [
         f"weights equal one process's after {STEPS} steps of {k} microbatches",
-        "one all-reduce per bucket per optimizer step; one optimizer step",
+        "one all-reduce per bucket per optimizer step; one optimizer step; one "
+        "microbatch's activations alive at a time",
     ]

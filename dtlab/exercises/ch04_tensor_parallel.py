@@ -87,6 +87,50 @@ def _bias_excess(y, want, bias) -> float:
     return ((y - want).detach() / bias.detach()).mean().item()
 
 
+def _rows_elsewhere(got, mine, full) -> bool:
+    """Whether ``got`` is not this rank's tokens ``mine`` but every one of its rows
+    (a token's C values) is a row of the ``full`` output: the right values put in
+    the wrong place (the MLP works token by token, so a gather or a scatter along
+    the wrong dimension moves tokens without changing them)."""
+    if got.shape != mine.shape or _diff(got, mine) <= 1e-5:
+        return False
+    rows, every = (a.detach().flatten(0, -2) for a in (got, full))
+    near = torch.cdist(rows, every, compute_mode="donot_use_mm_for_euclid_dist")
+    return bool((near.min(1).values <= 1e-4).all())
+
+
+def _factor(a, b) -> float:
+    """c where ``a`` is c times ``b`` throughout (a gradient t times too large or
+    too small, or zero), else nan."""
+    if a is None or a.shape != b.shape:
+        return float("nan")
+    a, b = a.detach(), b.detach()
+    c = ((a * b).sum() / (b * b).sum().clamp_min(1e-30)).item()
+    close = (a - c * b).abs().max().item() <= 1e-4 * b.abs().max().item() + 1e-6
+    return c if close else float("nan")
+
+
+def _factor_said(c: float, t: int) -> str:
+    """What a gradient ``c`` times the right one means, in words."""
+    if c != c or abs(c - 1) < 1e-3:
+        return ""
+    if abs(c) < 1e-3:
+        return " It is zero: no gradient reached it on this rank."
+    if abs(c * t - 1) < 1e-3:
+        return (
+            f" It is 1/{t} of the right one: a tensor-parallel all-reduce sums "
+            "each rank's partial term, and nothing is divided by t (unlike data "
+            "parallelism's average); a bias split t ways gets 1/t of its gradient."
+        )
+    why = ": the same term was counted t times" if abs(c - t) < 1e-3 else ""
+    return f" It is {c:.3g} times the right one{why}."
+
+
+def _vs(name: str, got, want) -> dict:
+    """``got`` against ``want``: how far off, and by what factor if it is one."""
+    return {name: _diff(got, want), f"{name} factor": _factor(got, want)}
+
+
 def _diff(a, b) -> float:
     if a is None:
         return float("inf")
@@ -123,9 +167,9 @@ def probe_column(solution, degrees) -> list[dict]:
                 "backward": _ops(bwd),
                 "forbidden": fwd.forbidden + bwd.forbidden,
                 "output Y_i": _diff(y, lin(x).detach().chunk(t, -1)[i]),
-                "dL/dX": _diff(x_mine.grad, x.grad),
-                "dL/dweight shard": _diff(w_i.grad, lin.weight.grad.chunk(t, 0)[i]),
-                "dL/dbias shard": _diff(b_i.grad, lin.bias.grad.chunk(t, 0)[i]),
+                **_vs("dL/dX", x_mine.grad, x.grad),
+                **_vs("dL/dweight shard", w_i.grad, lin.weight.grad.chunk(t, 0)[i]),
+                **_vs("dL/dbias shard", b_i.grad, lin.bias.grad.chunk(t, 0)[i]),
             }
         )
     return found
@@ -212,9 +256,9 @@ def probe_row(solution, degrees) -> list[dict]:
                 "forbidden": fwd.forbidden + bwd.forbidden,
                 "output Y": _diff(y, lin(x).detach()),
                 "bias excess": _bias_excess(y, lin(x), lin.bias),
-                "dL/dX_i": _diff(x_i.grad, x.grad.chunk(t, -1)[i]),
-                "dL/dweight shard": _diff(w_i.grad, lin.weight.grad.chunk(t, 1)[i]),
-                "dL/dbias": _diff(b.grad, lin.bias.grad),
+                **_vs("dL/dX_i", x_i.grad, x.grad.chunk(t, -1)[i]),
+                **_vs("dL/dweight shard", w_i.grad, lin.weight.grad.chunk(t, 1)[i]),
+                **_vs("dL/dbias", b.grad, lin.bias.grad),
             }
         )
     return found
@@ -240,8 +284,10 @@ def _judge_values(r: int, case: dict, names, hints: dict) -> None:
                 if d != d
                 else f"is off by {d:.3g}"
             )
+            said = _factor_said(case.get(f"{what} factor", float("nan")), case["t"])
             raise ExerciseFailed(
-                f"tp={case['t']}, rank {r}: {what} {problem}. {hints.get(what, '')}"
+                f"tp={case['t']}, rank {r}: {what} {problem}.{said} "
+                f"{hints.get(what, '')}".rstrip()
             )
 
 
@@ -296,7 +342,11 @@ def check_row_parallel(solution, cluster=None):
                 r,
                 case,
                 ("output Y", "dL/dX_i", "dL/dweight shard", "dL/dbias"),
-                {"output Y": "Y = g(X_i·A_iᵀ) + b, A_i = the weight shard."},
+                {
+                    "output Y": "Y = g(X_i·A_iᵀ) + b, A_i = the weight shard.",
+                    "dL/dbias": "b is whole on every rank: add it once, after g, on "
+                    "every rank, so that each rank's dL/db is the sum of dL/dY.",
+                },
             )
     return [
         f"output and every gradient equal nn.Linear's at tp={degrees} on all {n} ranks",
@@ -340,11 +390,12 @@ def probe_sequence_parallel(solution, degrees) -> list[dict]:
                 "forbidden": fwd.forbidden + bwd.forbidden,
                 "shape": tuple(y_i.shape),
                 "output": _diff(y_i, y.detach().chunk(t, 1)[i]),
+                "tokens elsewhere": _rows_elsewhere(y_i, y.chunk(t, 1)[i], y),
                 "bias excess": _bias_excess(y_i, y.chunk(t, 1)[i], proj.bias),
-                "dL/dx shard": _diff(grads[0], x.grad.chunk(t, 1)[i]),
-                "dL/dw_fc": _diff(grads[1], fc.weight.grad.chunk(t, 0)[i]),
-                "dL/db_fc": _diff(grads[2], fc.bias.grad.chunk(t, 0)[i]),
-                "dL/dw_proj": _diff(grads[3], proj.weight.grad.chunk(t, 1)[i]),
+                **_vs("dL/dx shard", grads[0], x.grad.chunk(t, 1)[i]),
+                **_vs("dL/dw_fc", grads[1], fc.weight.grad.chunk(t, 0)[i]),
+                **_vs("dL/db_fc", grads[2], fc.bias.grad.chunk(t, 0)[i]),
+                **_vs("dL/dw_proj", grads[3], proj.weight.grad.chunk(t, 1)[i]),
                 # under SP each rank's bias gradient sums its own tokens only
                 "dL/db_proj (my tokens)": _diff(
                     grads[4], gy.chunk(t, 1)[i].sum((0, 1))
@@ -417,6 +468,14 @@ def check_sequence_parallel(solution, cluster=None):
                 raise ExerciseFailed(
                     f"{where}: the output carries proj's bias {t} times: add it after "
                     "the reduce-scatter, once."
+                )
+            if case["tokens elsewhere"]:
+                raise ExerciseFailed(
+                    f"{where}: every token of your output is a right output, but of "
+                    f"other tokens than this rank's: rank i returns tokens "
+                    f"i·T/t … (i+1)·T/t − 1 of every sequence (dim 1). dtlab's "
+                    "collectives stack and split along dim 0, so move the sequence "
+                    "dimension to the front before each one and back after."
                 )
             _judge_values(
                 r,
