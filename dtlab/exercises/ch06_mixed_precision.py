@@ -155,9 +155,11 @@ def check_loss_scaler(solution, cluster=None):
                     "the same on every rank: all-reduce the found-inf flag (MAX)."
                 )
             if len(step["ops"]) > 1 or step["ops"][0][1] > 64:
+                big = max(b for _, b in step["ops"]) > 64
+                what = "the gradients" if big else "a flag per tensor"
                 raise ExerciseFailed(
-                    f"step {t}, rank {r} ran {step['ops']}: the agreement needs one "
-                    "all-reduce of a one-element flag, not of the gradients."
+                    f"step {t}, rank {r} ran {step['ops']}: {what} all-reduced. The "
+                    "agreement needs one all-reduce of one flag for all gradients."
                 )
             if not step["unscaled"]:
                 raise ExerciseFailed(
@@ -218,21 +220,27 @@ HINTS = {
     "gradient to lose.",
     "cast": "Cast (g · scale).to(dtype) and count the nonzero values that became "
     "0 (round to nearest: anything above 2⁻²⁵ rounds up to 2⁻²⁴).",
+    "tie": "Exactly 2⁻²⁵ is halfway between 0 and 2⁻²⁴: round to nearest even "
+    "takes it to 0, so it is lost too.",
+    "percent": "That is the percentage: return the share itself, from 0 to 1.",
 }
 
 
 def _diagnose(got: float, g: torch.Tensor, dtype, scale: float) -> str:
     nonzero = g != 0
     scaled = g * scale
-    alternatives = {
-        "scale": underflow_fraction(g, dtype, 1.0),
-        "subnormal": _share(scaled.abs() < 2.0**-14, nonzero),
-        "zeros": _share(scaled.to(dtype) == 0, torch.ones_like(nonzero)),
-    }
+    alternatives = {"percent": 100 * underflow_fraction(g, dtype, scale)}
     if dtype == torch.bfloat16:
-        alternatives = {"bf16": underflow_fraction(g, torch.float16, scale)}
+        alternatives["bf16"] = underflow_fraction(g, torch.float16, scale)
+    else:
+        alternatives.update(
+            scale=underflow_fraction(g, dtype, 1.0),
+            subnormal=_share(scaled.abs() < 2.0**-14, nonzero),
+            zeros=_share(scaled.to(dtype) == 0, torch.ones_like(nonzero)),
+            tie=_share(scaled.abs() < 2.0**-25, nonzero),
+        )
     for key, value in alternatives.items():
-        if abs(got - value) < TOLERANCE:
+        if abs(got - value) < TOLERANCE * max(1.0, value):
             return HINTS[key]
     return HINTS["cast"]
 

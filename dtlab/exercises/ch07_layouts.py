@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import re
+
 from dtlab import estimate as est
 from dtlab.exercises.ch07_solutions import defend_layout, megatron_coords
 from dtlab.exercises.grading import ExerciseFailed, attempt, exercise
@@ -64,6 +66,28 @@ HINTS = {
 }
 
 
+def _as_layout(lay) -> Layout:
+    """The plan's layout as the learner may write it: a Layout, a mapping with dp,
+    tp and pp, its printed form "dp2·tp8·pp4" (any separator), or (dp, tp, pp) in
+    the order the exercise names them."""
+    if isinstance(lay, Layout):
+        return lay
+    try:
+        if isinstance(lay, str):
+            found = dict(re.findall(r"(dp|tp|pp)\s*=?\s*(\d+)", lay.lower()))
+            if not found:
+                raise ValueError("no dp, tp or pp with a number in it")
+            return Layout(**{k: int(v) for k, v in found.items()})
+        if isinstance(lay, (tuple, list)) and len(lay) == 3:
+            return Layout(dp=int(lay[0]), tp=int(lay[1]), pp=int(lay[2]))
+        return Layout(**{k: int(v) for k, v in dict(lay).items()})
+    except (TypeError, ValueError) as exc:
+        raise ExerciseFailed(
+            f"the layout {lay!r} is not one I can read ({exc}): give a Layout, "
+            '{"dp": 2, "tp": 8, "pp": 4}, "dp2·tp8·pp4" or (dp, tp, pp).'
+        ) from None
+
+
 def _numbers(plan: dict) -> dict:
     """What dtlab.estimate says for the learner's plan."""
     lay = plan["layout"]
@@ -109,9 +133,7 @@ def check_layout_defence(solution, cluster=None):
     missing = [k for k in PLAN_KEYS if k not in plan]
     if missing:
         raise ExerciseFailed(f"your plan has no {missing}: return every key")
-    lay = plan["layout"]
-    if not isinstance(lay, Layout):
-        lay = plan["layout"] = Layout(**dict(lay))
+    lay = plan["layout"] = _as_layout(plan["layout"])
     if lay.world_size != MACHINE.n_gpus:
         raise ExerciseFailed(f"{lay} uses {lay.world_size} GPUs, not 64.")
     if lay.tp > MACHINE.gpus_per_node:
@@ -163,7 +185,7 @@ def check_layout_defence(solution, cluster=None):
             f"{GLOBAL_BATCH // (lay.dp * plan['micro_batch_size'])} microbatches."
         )
     dominant = max(("dp", "tp", "pp"), key=lambda a: got["traffic"][a])
-    if plan["dominant"] != dominant:
+    if str(plan["dominant"]).strip().lower() != dominant:
         raise ExerciseFailed(
             f"the axis that moves the most bytes is {dominant}, not "
             f"{plan['dominant']!r}."

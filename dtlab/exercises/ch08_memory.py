@@ -175,6 +175,47 @@ def _activation_peak(model, x, y) -> int:
     return saved.bytes
 
 
+def _weighting(got: torch.Tensor, name: str, batches) -> str:
+    """What a wrong ``.grad`` of ``name`` is, told from each microbatch's own
+    gradient of its mean loss: the last one alone, or another weighting."""
+    sizes = [b[0].shape[0] for b in batches]
+    n, k = sum(sizes), len(batches)
+    g = []
+    for xb, yb in batches:
+        one = _accumulation_model()
+        nn.functional.mse_loss(one(xb), yb).backward()
+        g.append(dict(one.named_parameters())[name].grad)
+    if any(
+        torch.allclose(got, g[-1] * w, atol=1e-6) for w in (sizes[-1] / n, 1 / k, 1)
+    ):
+        return (
+            "only the last microbatch's gradient is left: no zero_grad between "
+            "microbatches, their gradients must add up in .grad."
+        )
+    wrong = f"the gradient of {name} is not the mean loss's over all {n} samples"
+    fix = (
+        f"With microbatches of {sizes} samples, weight each microbatch's mean loss "
+        f"by its share of the samples (b_i / {n}) and add the gradients up"
+    )
+    causes = (
+        (
+            sum(g) / k,
+            f"each microbatch counts 1/{k} whatever its size",
+            f", not by 1/{k}",
+        ),
+        (sum(g), f"the {k} mean losses were added unweighted: about {k}× too much", ""),
+        (
+            sum(b * gi for b, gi in zip(sizes, g)),
+            f"{n}× too large: summed over the samples, never divided by the {n}",
+            "",
+        ),
+    )
+    for want, why, tail in causes:
+        if torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            return f"{wrong}: {why}. {fix}{tail}."
+    return f"{wrong}. {fix}."
+
+
 @exercise(
     "accumulation",
     chapter=8,
@@ -204,27 +245,12 @@ def check_accumulation(solution, cluster=None):
             f"largest microbatch's {largest}: all microbatches were alive "
             "together. Call backward after each microbatch's forward."
         )
-    k = len(batches)
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         if p.grad is None:
             raise ExerciseFailed(f"{name} has no gradient")
         if torch.allclose(p.grad, q.grad, atol=1e-6):
             continue
-        last = _accumulation_model()  # what zero_grad between microbatches leaves
-        nn.functional.mse_loss(last(batches[-1][0]), batches[-1][1]).backward()
-        g_last = dict(last.named_parameters())[name].grad
-        share = batches[-1][0].shape[0] / x.shape[0]
-        if any(torch.allclose(p.grad, g_last * w, atol=1e-6) for w in (share, 1 / k)):
-            raise ExerciseFailed(
-                "only the last microbatch's gradient is left: no zero_grad between "
-                "microbatches, their gradients must add up in .grad."
-            )
-        raise ExerciseFailed(
-            f"the gradient of {name} is not the mean loss's over all "
-            f"{x.shape[0]} samples. With microbatches of {list(SIZES)} samples, "
-            f"weight each microbatch's mean loss by its share of the samples "
-            f"(b_i / {x.shape[0]}), not by 1/{k}, and add the gradients up."
-        )
+        raise ExerciseFailed(_weighting(p.grad, name, batches))
     return [
         f"the gradient equals the mean loss's over {x.shape[0]} samples in "
         f"microbatches of {list(SIZES)}",

@@ -271,6 +271,13 @@ def check_moe_dispatch(solution, cluster=None):
             raise ExerciseFailed(
                 f"{name}: counts has {len(counts)} entries: one per expert ({E})"
             )
+        # counts that disagree with token first: counts of the routed assignments
+        # beside a token of the kept ones exceed the capacity too
+        if sum(counts) != len(token):
+            raise ExerciseFailed(
+                f"{name}: counts add up to {sum(counts)} but token has {len(token)} "
+                "rows: count the kept assignments, one row each."
+            )
         for e, n in enumerate(counts):
             if n > capacity:
                 raise ExerciseFailed(
@@ -278,11 +285,6 @@ def check_moe_dispatch(solution, cluster=None):
                     f"{capacity}: an assignment that finds its expert full is "
                     "dropped (the token skips that expert; the residual carries it)."
                 )
-        if sum(counts) != len(token):
-            raise ExerciseFailed(
-                f"{name}: counts add up to {sum(counts)} but token has {len(token)} "
-                "rows: count the kept assignments, one row each."
-            )
         want = want_token.tolist()
         if token == want and counts == want_counts.tolist():
             continue
