@@ -324,6 +324,7 @@ def _plan_table(a) -> int:
     for row in result.fits[:5]:
         print(f"  {row.layout}  zero{row.zero_stage}  mb={row.micro_batch_size}  "
               f"{row.checkpointing:<9} step {row.step_s:.2f} s  "
+              f"MFU {row.mfu:.0%}  {row.achieved_flops_per_gpu / 1e12:.0f} TFLOP/s  "
               f"{row.memory['total'] / 2**30:.1f} GiB")  # fmt: skip
     return 0
 
