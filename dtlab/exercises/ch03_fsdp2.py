@@ -9,7 +9,8 @@ happened there, against :func:`fsdp2_budget`: the bytes each rank holds as DTens
 shards, every all-gather and reduce-scatter torch issued (count, dtype, bytes;
 counted by :class:`dtlab.frameworks.traffic.CollectiveCounter`) and the peak bytes
 of unsharded weights the modules held, sampled at every layer's forward and
-backward and at every collective. Each knob shows in one of them: wrapping only
+backward and at every collective; bytes are counted by storage, each once and
+whole. Each knob shows in one of them: wrapping only
 the root gathers the whole model at once, no policy gathers fp32, keeping the
 blocks gathered holds ZeRO-2's peak, wrapping every Linear multiplies the
 collectives, a policy without ``reduce_dtype`` sums the gradients in bf16.
@@ -62,19 +63,29 @@ def fsdp2_budget(n: int, cfg: GPTConfig = FSDP2_GPT) -> dict:
     }
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once and whole (a
+    shard padded to its chunk counts its padding; views of one buffer count it
+    once)."""
+    storages = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
 def _unsharded_bytes(model) -> int:
     """Bytes of weights the modules hold whole right now: every registered
     parameter that is not a DTensor shard (FSDP2 swaps a unit's parameters for
-    their unsharded tensors while it is gathered), each storage once."""
+    their unsharded tensors while it is gathered), by storage."""
     from torch.distributed.tensor import DTensor
 
-    storages = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None and not isinstance(p, DTensor):
-                s = p.untyped_storage()
-                storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
+    return _storage_bytes(
+        p
+        for module in model.modules()
+        for p in module._parameters.values()
+        if p is not None and not isinstance(p, DTensor)
+    )
 
 
 def probe_fully_shard(solution) -> dict:
@@ -140,9 +151,8 @@ def probe_fully_shard(solution) -> dict:
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    local = [p.to_local() for p in model.parameters()]
     found |= {
-        "held": sum(t.numel() * t.element_size() for t in local),
+        "held": _storage_bytes(p.to_local() for p in model.parameters()),
         "collectives": [
             (c["op"], c["dtype"], c["payload_bytes"])
             for c in counter.records

@@ -129,6 +129,26 @@ def keeps_the_whole_state(flat_param, flat_grad, state, lr, betas, eps, weight_d
     _zero1(flat_param, flat_grad, state, lr, betas, eps, weight_decay, full_state=True)
 
 
+@mistake("zero1_step", expect="slices of larger buffers")
+def keeps_the_moments_as_slices_of_full_buffers(
+    flat_param, flat_grad, state, lr, betas, eps, weight_decay
+):
+    """Allocates each moment for all Ψ and keeps only its slice, a view: the state
+    shows S values per moment, but each view keeps its Ψ-sized buffer allocated."""
+    from dtlab import comm
+
+    n, r = comm.group_size(), comm.group_rank()
+    S = flat_param.numel() // n
+    if not state:
+        mine = slice(r * S, (r + 1) * S)
+        state.update(
+            step=0,
+            exp_avg=torch.zeros(n * S)[mine],
+            exp_avg_sq=torch.zeros(n * S)[mine],
+        )
+    _zero1(flat_param, flat_grad, state, lr, betas, eps, weight_decay)
+
+
 # ---- zero2_hooks ---------------------------------------------------------------------
 def _zero2(
     model,
@@ -204,6 +224,49 @@ def sums_the_slices(model, grad_shards):
 def forgets_the_padding(model, grad_shards):
     """Reduce-scatters the gradient as it is: a bias of 30 does not cut into 4."""
     _zero2(model, grad_shards, pad=False)
+
+
+@mistake("zero2_hooks", expect="p.grad is None, yet")
+def keeps_a_view_of_each_gradient(model, grad_shards):
+    """Reduce-scatters and frees p.grad, but keeps this rank's slice of its local
+    gradient for a norm later, as ``grad.view(-1)[lo:hi]`` without a clone: a few
+    elements shown, the whole gradient kept allocated."""
+    from dtlab import comm
+
+    n, r = comm.group_size(), comm.group_rank()
+    local = {}
+    for i, (p, shard) in enumerate(zip(model.parameters(), grad_shards)):
+
+        def hook(param, i=i, shard=shard):
+            g = param.grad.view(-1)
+            flat = torch.zeros(shard.numel() * n)
+            flat[: g.numel()] = g
+            comm.reduce_scatter(shard, flat)
+            shard.div_(n)
+            local[i] = g[r * shard.numel() : (r + 1) * shard.numel()]  # a view
+            param.grad = None
+
+        p.register_post_accumulate_grad_hook(hook)
+
+
+@mistake("zero2_hooks", expect="buffers you reduced")
+def keeps_a_padded_buffer_per_parameter(model, grad_shards):
+    """One padded buffer allocated per parameter and kept for the next step (as
+    DDP's buckets are): p.grad is freed, but the copies hold every gradient."""
+    from dtlab import comm
+
+    n = comm.group_size()
+    buffers = [torch.zeros(s.numel() * n) for s in grad_shards]
+    for p, shard, flat in zip(model.parameters(), grad_shards, buffers):
+
+        def hook(param, shard=shard, flat=flat):
+            flat.zero_()
+            flat[: param.numel()] = param.grad.reshape(-1)
+            comm.reduce_scatter(shard, flat)
+            shard.div_(n)
+            param.grad = None
+
+        p.register_post_accumulate_grad_hook(hook)
 
 
 # ---- fsdp_unit -----------------------------------------------------------------------
@@ -293,6 +356,39 @@ def forgets_to_average(x, shard, compute):
 def drops_the_input_gradient(x, shard, compute):
     """Returns None for the input's gradient: the earlier units get nothing."""
     return _unit(x, shard, compute, input_grad=False)
+
+
+@mistake("fsdp_unit", expect="nor a view or slice of them")
+def keeps_a_view_of_the_gathered_weight(x, shard, compute):
+    """Gathers again in backward, but keeps the forward's weight matrix for the
+    input's gradient, as a detached view ``full.detach()[:W·W].view(W, W)``: the
+    gathered tensor itself dies, its storage (the whole unit) does not."""
+    from dtlab import comm
+
+    n = comm.group_size()
+
+    class Unit(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, shard):
+            full = _gather(shard)
+            width = x.shape[-1]
+            ctx.weight = full.detach()[: width * width].view(width, width)
+            ctx.save_for_backward(x)
+            return compute(full, x)
+
+        @staticmethod
+        def backward(ctx, grad_y):
+            x = ctx.saved_tensors[0].detach().requires_grad_()
+            full = _gather(shard).requires_grad_()
+            with torch.enable_grad():
+                y = compute(full, x)
+            (grad_full,) = torch.autograd.grad(y, (full,), grad_y)
+            grad_x = (grad_y * (1 - y.detach() ** 2)) @ ctx.weight
+            g = torch.empty_like(shard)
+            comm.reduce_scatter(g, grad_full)
+            return grad_x, g / n
+
+    return Unit.apply(x, shard)
 
 
 # ---- fully_shard ---------------------------------------------------------------------

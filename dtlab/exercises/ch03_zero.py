@@ -1,17 +1,23 @@
 """Chapter 03's exercises: ZeRO's three stages, one mechanism each.
 
+Memory is judged by the storages really allocated (:mod:`.ch03_memory`,
+:mod:`.storages`), never by the tensor objects a checker can see: a slice or view
+of a larger buffer keeps the whole buffer.
+
 1. ``zero1_step``: the sharded AdamW step over gradients that are *different on
    every rank*, with weight decay > 0: the checker compares three steps with
    ``torch.optim.AdamW`` on the averaged gradient in one process, and reads from the
    comm events one reduce-scatter and one all-gather of Ψ per step; the state a rank
-   keeps must be its slice's only.
+   keeps allocated (by storage) must be its slice's only.
 2. ``zero2_hooks``: gradient hooks that reduce-scatter each gradient and free it at
-   once; the checker's own hooks, run after the learner's, measure how many bytes of
-   full gradients are alive after each one (at most one gradient's, beyond the 1/N
-   slices).
+   once; a hook of the checker's, run before the learner's, follows every full
+   gradient's storage by weak reference (and every buffer a collective reduces),
+   and one run after measures the bytes of them still allocated (at most one
+   gradient's, beyond the 1/N slices), whoever keeps them.
 3. ``fsdp_unit``: gather, compute, free, re-gather in backward; the checker follows
-   every tensor an all-gather filled and measures, at every compute and every
-   collective, how many units' full parameters are alive (at most two).
+   the storage of every tensor an all-gather filled and measures, at every compute
+   and every collective, how many units' full parameters are allocated (at most
+   two).
 
 The fourth, PyTorch's FSDP2 within a budget, is :mod:`.ch03_fsdp2`.
 """
@@ -19,12 +25,16 @@ The fourth, PyTorch's FSDP2 within a budget, is :mod:`.ch03_fsdp2`.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 from torch import nn
 
 from dtlab import comm
+from dtlab.exercises.ch03_memory import (
+    full_gradients_alive,
+    state_storages,
+    zero2_held,
+)
 from dtlab.exercises.ch03_solutions import (
     attach_zero2_hooks,
     fsdp_unit,
@@ -32,6 +42,7 @@ from dtlab.exercises.ch03_solutions import (
 )
 from dtlab.exercises.grading import ExerciseFailed, exercise
 from dtlab.exercises.ranks import on_every_rank, rank_and_size, world_size_of
+from dtlab.exercises.storages import Storages
 from dtlab.exercises.watch import Watch
 from dtlab.model import param_generator
 from dtlab.zero import FullyShardedDataParallel, ShardedOptimizer
@@ -74,25 +85,6 @@ def _zero1_grads(n: int) -> list[list[torch.Tensor]]:
     ]
 
 
-def per_element_state(state) -> int:
-    """The optimizer-state values kept per parameter element: every tensor of more
-    than one value found in ``state`` (nested dicts, lists, and a torch optimizer's
-    own state included). A step counter is no per-element state, whether an int or
-    torch AdamW's 0-dim tensor, and a parameter (a slice kept as the optimizer's
-    nn.Parameter) is a weight, not state."""
-    if isinstance(state, nn.Parameter):
-        return 0
-    if torch.is_tensor(state):
-        return state.numel() if state.numel() > 1 else 0
-    if isinstance(state, torch.optim.Optimizer):
-        return per_element_state(list(state.state.values()))
-    if isinstance(state, dict):
-        return sum(per_element_state(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(per_element_state(v) for v in state)
-    return 0
-
-
 def probe_zero1(solution) -> dict:
     r, n = rank_and_size()
     flat = _randn(n * SLICE, seed="zero1/param")  # the same weights on every rank
@@ -103,7 +95,7 @@ def probe_zero1(solution) -> dict:
             solution(flat, grads[t][r].clone(), state, **ADAMW)
     return {
         "flat": flat,
-        "state_numel": per_element_state(state),
+        "state": state_storages(state, weights=(flat,)),
         "launches": [(e["op"], e["bytes"]) for e in seen.launches],
         "forbidden": seen.forbidden,
     }
@@ -128,7 +120,8 @@ def _one_process_adamw(n: int, *, grad_scale=1.0, **changes) -> torch.Tensor:
     measures=(
         "weights after 3 AdamW steps (weight decay 0.1) over per-rank DIFFERENT "
         "gradients == torch AdamW on their average; per step one reduce_scatter "
-        "and one all_gather of Ψ, nothing else; state of S = Ψ/N per moment"
+        "and one all_gather of Ψ, nothing else; state allocated (by storage) of "
+        "S = Ψ/N per moment"
     ),
 )
 def check_zero1_step(solution, cluster=None):
@@ -157,11 +150,21 @@ def check_zero1_step(solution, cluster=None):
                 f"rank {r} ran {rep['launches'][:4]}... per step; ZeRO-1 runs one "
                 f"reduce-scatter and one all-gather of Ψ = {psi_bytes} bytes a step."
             )
-        if rep["state_numel"] > 2 * SLICE:
+        kept = rep["state"]
+        if kept["values"] > 2 * SLICE:
+            through = (
+                f" Your state's tensors show {kept['shown']} of them: they are "
+                "slices of larger buffers, and a slice keeps its whole buffer "
+                "allocated."
+                if kept["shown"] < kept["values"]
+                else ""
+            )
             raise ExerciseFailed(
-                f"rank {r} keeps {rep['state_numel']} optimizer-state values; its "
-                f"slice needs 2·S = {2 * SLICE} (exp_avg and exp_avg_sq of S = Ψ/N "
-                "elements). Sharding the state is all ZeRO-1 saves."
+                f"rank {r} keeps {kept['values']} optimizer-state values allocated "
+                f"({4 * kept['values']} B); its slice needs 2·S = {2 * SLICE} "
+                "(exp_avg and exp_avg_sq of S = Ψ/N elements)." + through + " "
+                "Sharding the state is all ZeRO-1 saves: allocate the moments of "
+                "the slice only."
             )
     for r, rep in enumerate(reports):
         if not torch.equal(rep["flat"], reports[0]["flat"]):
@@ -176,7 +179,8 @@ def check_zero1_step(solution, cluster=None):
             f"weights equal torch AdamW on the averaged gradient after {STEPS} "
             f"steps, on all {n} ranks",
             f"per step one reduce-scatter and one all-gather of Ψ = {psi_bytes} B; "
-            f"{2 * SLICE} state values per rank (Ψ/N per moment)",
+            f"{max(r['state']['values'] for r in reports)} state values allocated "
+            f"per rank, counted by storage (2·Ψ/N = {2 * SLICE})",
         ]
     if close(_one_process_adamw(n, grad_scale=n)):
         raise ExerciseFailed(
@@ -231,21 +235,38 @@ def _averaged_grads(n: int) -> list[torch.Tensor]:
 
 # ---- 2. ZeRO-2's gradient hooks ------------------------------------------------------
 def probe_zero2(solution) -> dict:
+    """Run the learner's hooks in one backward, following by weak reference every
+    full gradient's storage (seen by a hook of ours that runs before theirs) and
+    every buffer they reduce (a padded copy), and measuring, after each of their
+    hooks (ours run after theirs) and after the backward, the bytes of those
+    storages still allocated, whoever keeps them (p.grad, a list, a view)."""
     r, n = rank_and_size()
     model = zero_model()
     params = list(model.parameters())
     shards = [torch.zeros(math.ceil(p.numel() / n)) for p in params]
-    alive = []  # full-gradient bytes held after each hook (ours run after theirs)
+    held = Storages(exclude=params + shards)
+    alive = []  # (after the hook of parameter i, bytes alive, what is alive)
 
-    def measure(_param):
-        alive.append(sum(q.grad.numel() * 4 for q in params if q.grad is not None))
+    def see(param):  # ours, before theirs: the full gradient as accumulated
+        held.track(param.grad, "gradient", index[id(param)])
 
+    def measure(param):
+        alive.append(full_gradients_alive(params, held, index[id(param)]))
+
+    def reduced(frame):  # every buffer a collective reduces: a full gradient's size
+        held.track(frame.f_locals.get("input", frame.f_locals.get("tensor")), "buffer")
+
+    index = {id(p): i for i, p in enumerate(params)}
+    for p in params:
+        p.register_post_accumulate_grad_hook(see)
     x, y = _data(r, WIDTHS[0], WIDTHS[-1], "zero2")
-    with Watch(_forbidden()) as seen:
+    on_call = {comm.reduce_scatter: reduced, comm.all_reduce: reduced}
+    with Watch(_forbidden(), on_call=on_call) as seen:
         solution(model, shards)
         for p in params:
             p.register_post_accumulate_grad_hook(measure)
         nn.functional.mse_loss(model(x), y).backward()
+    alive.append(full_gradients_alive(params, held, None))
     return {
         "shards": shards,
         "kept": [p.grad is not None for p in params],
@@ -262,7 +283,8 @@ def probe_zero2(solution) -> dict:
     measures=(
         "each rank's slices == its slice of the averaged gradient (different data "
         "per rank); one reduce_scatter per parameter, no all_reduce; every full "
-        "gradient freed; full-gradient bytes alive ≤ one gradient (beyond Ψ/N)"
+        "gradient freed; bytes of full gradients (and copies reduced) still "
+        "allocated after each hook, by storage, ≤ one gradient (beyond Ψ/N)"
     ),
 )
 def check_zero2_hooks(solution, cluster=None):
@@ -271,7 +293,7 @@ def check_zero2_hooks(solution, cluster=None):
     padded = [
         math.ceil(p.numel() / n) * n * 4 for p in zero_model().parameters()
     ]  # the reduce-scatter of each gradient, padded
-    one_gradient = max(p.numel() * 4 for p in zero_model().parameters())
+    one_gradient = max(padded)  # the largest gradient, padded to N slices
     total = sum(p.numel() * 4 for p in zero_model().parameters())
     for r, rep in enumerate(reports):
         _refuse(r, rep["forbidden"], "ZeRO-2's gradient hooks")
@@ -296,14 +318,9 @@ def check_zero2_hooks(solution, cluster=None):
                 f"{sum(rep['kept'])} parameter(s). Free it (param.grad = None) in "
                 "the hook, as soon as its slice is reduce-scattered."
             )
-        peak = max(rep["alive"])
-        if peak > one_gradient:
-            raise ExerciseFailed(
-                f"rank {r} held {peak} bytes of full gradients at once (the whole "
-                f"model's are {total}); ZeRO-2 holds at most one gradient whole "
-                f"({one_gradient} bytes here) beyond its 1/N slices: reduce-scatter "
-                "and free each gradient in its own hook, not all at the end."
-            )
+        worst = max(rep["alive"], key=lambda a: a["bytes"])
+        if worst["bytes"] > one_gradient:
+            raise ExerciseFailed(zero2_held(r, worst, one_gradient, total))
     want = _averaged_grads(n)
     for r, rep in enumerate(reports):
         for i, (shard, g) in enumerate(zip(rep["shards"], want)):
@@ -326,8 +343,10 @@ def check_zero2_hooks(solution, cluster=None):
     return [
         f"every rank's slices equal its slice of the averaged gradient ({n} ranks)",
         f"one reduce-scatter per parameter ({sum(padded)} B), no all-reduce",
-        f"every full gradient freed; at most {max(max(r['alive']) for r in reports)} "
-        f"B of full gradients alive at once (model: {total} B)",
+        "every full gradient's storage freed by its hook: at most "
+        f"{max(a['bytes'] for r in reports for a in r['alive'])} B of full "
+        f"gradients and their copies allocated after any hook (budget: one "
+        f"gradient, {one_gradient} B; the model's are {total} B)",
     ]
 
 
@@ -357,24 +376,17 @@ def _unit_params(n: int) -> list[torch.Tensor]:
 def probe_fsdp(solution) -> dict:
     r, n = rank_and_size()
     shards = [f.chunk(n)[r].clone().requires_grad_() for f in _unit_params(n)]
-    gathered = []  # weak references to every tensor an all-gather filled
-    alive = []  # full parameter bytes alive, at every compute and every gather
-
-    def alive_bytes() -> int:
-        storages = {}
-        for ref in gathered:
-            t = ref()
-            if t is not None:
-                s = t.untyped_storage()
-                storages[s.data_ptr()] = s.nbytes()
-        return sum(storages.values())
+    # the storage of every tensor an all-gather filled, by weak reference: alive as
+    # long as anything (the tensor, a view of it, a detached copy, autograd) holds it
+    gathered = Storages(exclude=shards)
+    alive = []  # full parameter bytes allocated, at every compute and every gather
 
     def on_gather(frame):
-        gathered.append(weakref.ref(frame.f_locals["output"]))
-        alive.append(alive_bytes())
+        gathered.track(frame.f_locals["output"], "gathered")
+        alive.append(gathered.bytes())
 
     def compute(flat, x):
-        alive.append(alive_bytes())
+        alive.append(gathered.bytes())
         return unit_compute(flat, x)
 
     x, y = _data(r, WIDTH, WIDTH, "fsdp")
@@ -383,7 +395,7 @@ def probe_fsdp(solution) -> dict:
         for shard in shards:
             h = solution(h, shard, compute)
         nn.functional.mse_loss(h, y).backward()
-    alive.append(alive_bytes())
+    alive.append(gathered.bytes())
     return {
         "out": h.detach(),
         "grads": [s.grad for s in shards],
@@ -409,9 +421,11 @@ def _fsdp_reference(n: int):
     chapter=3,
     reference=fsdp_unit,
     measures=(
-        "outputs and each rank's shard gradients == one process; per unit 2 "
-        "all_gathers (forward, backward) and 1 reduce_scatter, no all_reduce; full "
-        "parameters alive ≤ two units at every compute and gather"
+        "outputs and each rank's shard gradients == one process; per unit 1 "
+        "all_gather for the forward, at most 1 more for the backward, and 1 "
+        "reduce_scatter, no all_reduce; "
+        "storages of gathered parameters allocated ≤ two units at every compute "
+        "and gather"
     ),
 )
 def check_fsdp_unit(solution, cluster=None):
@@ -428,22 +442,19 @@ def check_fsdp_unit(solution, cluster=None):
                 "unit's gradient. Reduce-scatter it into the shard's gradient."
             )
         gathers, scatters = ops.count("all_gather"), ops.count("reduce_scatter")
-        if gathers < 2 * UNITS:
-            raise ExerciseFailed(
-                f"rank {r} all-gathered {gathers} times for {UNITS} units. ZeRO-3 "
-                "frees a unit's parameters after its forward and gathers them again "
-                "for its backward: re-gather in backward (2 gathers per unit), "
-                "instead of keeping the forward's for it."
-            )
-        if (gathers, scatters) != (2 * UNITS, UNITS):
+        # a backward may skip a gather it does not need (the first unit's input
+        # needs no gradient); what it keeps instead is judged by the bytes below
+        if not UNITS <= gathers <= 2 * UNITS or scatters != UNITS:
             raise ExerciseFailed(
                 f"rank {r}: {gathers} all-gathers and {scatters} reduce-scatters for "
-                f"{UNITS} units; one unit takes 2 gathers and 1 reduce-scatter."
+                f"{UNITS} units; one unit takes one gather for its forward, at most "
+                "one more for its backward, and one reduce-scatter."
             )
         if not torch.allclose(rep["out"], outs[r], atol=1e-6):
             raise ExerciseFailed(
-                f"rank {r}: the output differs from one process's: compute with the "
-                "full parameters gathered from every rank's shard, in rank order."
+                f"rank {r}: the output differs from one process's (off by "
+                f"{(rep['out'] - outs[r]).abs().max():.2e}): compute with the full "
+                "parameters gathered from every rank's shard, in rank order."
             )
         for u, (got, want) in enumerate(zip(rep["grads"], grads)):
             mine = want.chunk(n)[r]
@@ -466,16 +477,20 @@ def check_fsdp_unit(solution, cluster=None):
         peak = max(rep["alive"])
         if peak > 2 * unit_bytes:
             raise ExerciseFailed(
-                f"rank {r} held {peak // unit_bytes} units' full parameters at once "
-                f"({peak} B; one unit is {unit_bytes} B). FSDP keeps at most the "
-                "unit computing and the next one: free the gathered parameters "
-                "after the forward (do not save them for backward) and gather "
-                "them again there."
+                f"rank {r} held {peak // unit_bytes} units' full parameters "
+                f"allocated at once ({peak} B of gathered storage; one unit is "
+                f"{unit_bytes} B). FSDP keeps at most the unit computing and the "
+                "next one: free the gathered parameters after the forward (do not "
+                "save them for backward, nor a view or slice of them: a view keeps "
+                "its whole buffer allocated) and re-gather in backward what it "
+                "needs."
             )
     worst = max(max(rep["alive"]) for rep in reports)
     return [
         f"outputs and shard gradients equal one process's, on all {n} ranks",
-        f"per unit 2 all-gathers and 1 reduce-scatter ({UNITS} units)",
+        f"{max(sum(op == 'all_gather' for op, _ in r['launches']) for r in reports)} "
+        "all-gathers "
+        f"and {UNITS} reduce-scatters for {UNITS} units (at most 2 gathers each)",
         f"at most {worst // unit_bytes} unit(s) of full parameters alive at once "
         "(the bound: two)",
     ]

@@ -82,7 +82,7 @@ def waits_every_send_at_once(actions, io):
             io.isend(input_grads.pop(i), a.peer).wait()
 
 
-@mistake("pipeline_executor", expect="held 6 microbatches")
+@mistake("pipeline_executor", expect="6 microbatches in flight")
 def runs_every_forward_first(actions, io):
     """Runs all the forward-side actions, then all the backward-side ones: GPipe's
     order, valid, with every microbatch's activations held."""
@@ -111,7 +111,7 @@ def never_waits_the_sends(actions, io):
             io.isend(input_grads.pop(i), a.peer)
 
 
-@mistake("pipeline_executor", expect="gradients differ")
+@mistake("pipeline_executor", expect="differs from one process's")
 def sends_the_activation_back(actions, io):
     """send_grad sends the stage's *input* (the received activation) instead of
     the gradient of it: the stages before learn from garbage."""
@@ -132,3 +132,71 @@ def sends_the_activation_back(actions, io):
             sends.append(io.isend(inputs.pop(i), a.peer))
     for handle in sends:
         handle.wait()
+
+
+def _keeping(actions, io, *, outputs=False, received=False, grads=False):
+    """The schedule run in order, its sends waited at the end; what is named is
+    read where it is used and never removed from its dict."""
+    got, outs, input_grads, sends = {}, {}, {}, []
+
+    def use(table, key, keep):
+        return table.get(key) if keep else table.pop(key, None)
+
+    for a in actions:
+        i = a.microbatch
+        if a.op in ("recv_act", "recv_grad"):
+            handle, got[a.op, i] = io.irecv(a.peer)
+            handle.wait()
+        elif a.op == "F":
+            outs[i] = io.forward(i, use(got, ("recv_act", i), received))
+        elif a.op == "send_act":
+            sends.append(io.isend(outs[i], a.peer))
+        elif a.op == "B":
+            grad = use(got, ("recv_grad", i), received)
+            input_grads[i] = io.backward(i, use(outs, i, outputs), grad)
+        elif a.op == "send_grad":
+            sends.append(io.isend(use(input_grads, i, grads), a.peer))
+    for handle in sends:
+        handle.wait()
+
+
+@mistake("pipeline_executor", expect="kept after their backward")
+def keeps_every_microbatchs_tensors(actions, io):
+    """Reads each dict entry where it is used and never removes it: the outputs,
+    the buffers received and the input gradients of every microbatch stay
+    allocated to the end of the step. The order is 1F1B's, so counting the
+    forwards and backwards sees nothing; their storages show it."""
+    _keeping(actions, io, outputs=True, received=True, grads=True)
+
+
+@mistake("pipeline_executor", expect="outputs of")
+def keeps_every_output(actions, io):
+    """``outputs[i]`` instead of ``outputs.pop(i)`` at the backward: every
+    microbatch's output (the activation sent on) stays allocated after its
+    backward."""
+    _keeping(actions, io, outputs=True)
+
+
+@mistake("pipeline_executor", expect="received buffers of")
+def keeps_every_received_buffer(actions, io):
+    """The buffers received are read with ``get`` and never dropped: every
+    activation and gradient received stays allocated to the end of the step."""
+    _keeping(actions, io, received=True)
+
+
+@mistake("pipeline_executor", expect="kept after their backward")
+def keeps_a_view_of_every_output(actions, io):
+    """Logs the first value of each output for later (``out.detach().view(-1)[:1]``):
+    a view of one value, but it keeps the whole output's storage allocated."""
+    rows = []
+
+    class Logging:
+        def __getattr__(self, name):
+            return getattr(io, name)
+
+        def forward(self, i, x):
+            out = io.forward(i, x)
+            rows.append(out.detach().view(-1)[:1])
+            return out
+
+    run_stage(actions, Logging())

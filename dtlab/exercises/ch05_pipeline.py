@@ -9,11 +9,16 @@ over ``isend``/``irecv``.
    ``p − s`` microbatches, on configurations the learner does not see.
 2. ``pipeline_executor``: every rank is a stage of a small pipeline and runs the
    learner's executor over dtlab's 1F1B actions. The checker's ``io`` does the
-   compute (and counts the microbatches each stage holds) and the messages, whose
-   every wait is *bounded*: a deadlocking executor fails within seconds with the
-   stage it stopped on, never hangs. Then every gradient is compared with one
-   process, and the comm events show every send went to a neighbour, was posted
-   without blocking the stage, and was waited before the step ended.
+   compute and the messages, whose every wait is *bounded*: a deadlocking
+   executor fails within seconds with the stage it stopped on, never hangs. Then
+   every gradient is compared with one process, and the comm events show every
+   send went to a neighbour, was posted without blocking the stage, and was
+   waited before the step ended. Memory is measured, not inferred from the
+   order: ``io`` follows the storages of every tensor it hands out or receives
+   and of what autograd saves, and the bytes still allocated at any of its calls
+   must fit 1F1B's budget for the stage, ``(p − s)`` microbatches in flight plus
+   one microbatch's messages (:func:`stage_budget`), however the executor keeps
+   them (a dict never cleared, a view).
 """
 
 from __future__ import annotations
@@ -28,10 +33,17 @@ from dtlab import pipeline as pp
 from dtlab.exercises.ch05_solutions import one_f_one_b_order, run_stage
 from dtlab.exercises.grading import ExerciseFailed, attempt, exercise
 from dtlab.exercises.ranks import on_every_rank, rank_and_size, world_size_of
+from dtlab.exercises.storages import Storages
 from dtlab.exercises.watch import Watch
 from dtlab.model import param_generator
 
-__all__ = ["Deadlock", "StageIO", "check_one_f_one_b", "check_pipeline_executor"]
+__all__ = [
+    "Deadlock",
+    "StageIO",
+    "check_one_f_one_b",
+    "check_pipeline_executor",
+    "stage_budget",
+]
 
 # hidden configurations (p, m): more microbatches than stages, as many, fewer
 CONFIGS = ((4, 8), (4, 4), (2, 5), (3, 7), (4, 2))
@@ -111,13 +123,17 @@ class BoundedHandle:
         self.waited = False
 
     def wait(self):
+        self.io.sample(f"a wait for {self.what}")
         self.waited = True
+        if self.work is None:  # waited before
+            return True
         try:
             self.work.wait(datetime.timedelta(seconds=self.io.wait_s))
         except RuntimeError as exc:
             if "imed out" not in str(exc):
                 raise
             raise Deadlock(self.io.stuck(self.what)) from None
+        self.work = None  # a completed message holds no buffer of the stage
         return True
 
     def __del__(self):
@@ -141,17 +157,36 @@ def _microbatch(i: int):
     )
 
 
+# what a microbatch's storages are seen as, in the order a message names them
+SAVED, OUTPUT, RECEIVED, INPUT_GRAD = (
+    "activations saved for backward",
+    "outputs",
+    "received buffers",
+    "input gradients",
+)
+
+
 class StageIO:
     """What the executor of stage ``stage`` of ``p`` calls: the compute of the
     stage (``forward``, ``backward``) and its messages (``isend``, ``irecv``), all
-    bounded by ``wait_s`` seconds per wait. It counts the microbatches whose
-    activations the stage holds (forwarded, not yet backwarded)."""
+    bounded by ``wait_s`` seconds per wait.
+
+    It follows, by weak reference to their storages (:class:`.storages.Storages`),
+    every tensor it hands out or is handed (forward's outputs, the buffers
+    received, backward's input gradients) and every tensor autograd saves for
+    backward in the stage's forward, and samples the bytes still allocated at every
+    call and every wait: what the executor keeps alive, however it keeps it (a
+    dict never cleared, a handle, a view). A send hands its bytes to the transport
+    (a copy), so a send handle keeps none of the stage's tensors."""
 
     def __init__(self, stage: int, p: int, wait_s: float):
         self.stage, self.p, self.wait_s = stage, p, wait_s
         self.layer = _stage_layer(stage)
         self.inputs: dict[int, torch.Tensor] = {}
-        self.held = self.peak = 0
+        self.held = Storages(exclude=list(self.layer.parameters()))
+        self.forwarded: set[int] = set()
+        self.backwarded: set[int] = set()
+        self.peak: dict = {"bytes": 0}  # the largest sample, and what it held
         self.dropped = 0  # send handles dropped without a wait
         self.calls: list[float] = []  # when each io call was made (wall clock)
 
@@ -170,46 +205,132 @@ class StageIO:
             "waited at once while its receiver is itself waiting to send)." + dropped
         )
 
-    def _note(self) -> None:
+    def _note(self, where: str) -> None:
         import time
 
         self.calls.append(time.time())
+        self.sample(where)
+
+    def sample(self, where: str) -> None:
+        """Bytes the stage's tensors keep allocated now; the peak keeps what they
+        were (:meth:`breakdown`)."""
+        total = self.held.bytes()
+        if total > self.peak["bytes"]:
+            self.peak = {"bytes": total, "at": where, **self.breakdown()}
+
+    def breakdown(self) -> dict:
+        """What is alive now, by kind: microbatches in flight (forwarded, not yet
+        backwarded) and what each storage was seen as; for a microbatch whose
+        backward ran, what it still keeps."""
+        flight = self.forwarded - self.backwarded
+        kinds: dict[str, list] = {}  # kind -> [bytes, microbatches]
+        for rec in self.held.alive():
+            i = rec.owner
+            if i in flight and SAVED in rec.kinds:
+                kind = "in flight: " + SAVED
+            elif i in flight or i is None:
+                kind = "in flight: " + rec.kinds[0]
+            else:  # its backward is done: kept
+                kind = "kept: " + next((k for k in rec.kinds if k != SAVED), SAVED)
+            row = kinds.setdefault(kind, [0, set()])
+            row[0] += rec.nbytes
+            if i is not None:
+                row[1].add(i)
+        return {
+            "in_flight": len(flight),
+            "kinds": {k: (b, sorted(mbs)) for k, (b, mbs) in kinds.items()},
+        }
 
     def forward(self, i: int, x):
-        self._note()
+        self._note(f"its forward of microbatch {i}")
         if self.stage == 0:
             x = _microbatch(i)[0]
         elif x is None:
             raise ValueError(f"stage {self.stage} forward of microbatch {i}: no input")
         else:
+            rec = self.held.find(x)
+            if rec is not None and rec.owner is None:
+                rec.owner = i  # the buffer received for this microbatch
             x = x.detach().requires_grad_()
         self.inputs[i] = x
-        out = self.layer(x)  # (b, WIDTH)
-        if self.stage < self.p - 1:
-            out = torch.tanh(out)
-        else:  # the last stage: this microbatch's share of the mean loss
-            out = nn.functional.mse_loss(out, _microbatch(i)[1]) / M
-        self.held += 1
-        self.peak = max(self.peak, self.held)
+
+        def saved(t):
+            self.held.track(t, SAVED, i)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(saved, lambda t: t):
+            out = self.layer(x)  # (b, WIDTH)
+            if self.stage < self.p - 1:
+                out = torch.tanh(out)
+            else:  # the last stage: this microbatch's share of the mean loss
+                out = nn.functional.mse_loss(out, _microbatch(i)[1]) / M
+        self.held.track(out, OUTPUT, i)
+        self.forwarded.add(i)
         return out
 
     def backward(self, i: int, out, grad):
-        self._note()
+        self._note(f"its backward of microbatch {i}")
+        mine = self.held.find(out)
+        if mine is None or OUTPUT not in mine.kinds or mine.owner != i:
+            whose = (
+                f"the output of microbatch {mine.owner}"
+                if mine is not None and OUTPUT in mine.kinds
+                else "no output io.forward returned"
+            )
+            raise ValueError(
+                f"stage {self.stage} backward of microbatch {i}: `out` is {whose}, "
+                f"not the output of microbatch {i}. Each backward runs through its "
+                "own microbatch's output: keep every output until its backward."
+            )
+        rec = self.held.find(grad)
+        if rec is not None and rec.owner is None:
+            rec.owner = i  # the gradient received for this microbatch
         torch.autograd.backward(out, grad)
-        self.held -= 1
+        self.backwarded.add(i)
         x = self.inputs.pop(i)
-        return None if self.stage == 0 else x.grad
+        if self.stage == 0:
+            return None
+        self.held.track(x.grad, INPUT_GRAD, i)
+        return x.grad
 
     def isend(self, tensor, peer: int) -> BoundedHandle:
-        self._note()
-        work = comm.isend(tensor.detach().contiguous(), peer, tag="pp-exercise")
+        self._note(f"a send to stage {peer}")
+        work = comm.isend(tensor.detach().clone(), peer, tag="pp-exercise")
         return BoundedHandle(work, self, f"its send to stage {peer}")
 
     def irecv(self, peer: int):
-        self._note()
+        self._note(f"a receive from stage {peer}")
         buf = torch.empty(MICRO, WIDTH)
+        self.held.track(buf, RECEIVED)
         work = comm.irecv(buf, peer, tag="pp-exercise")
         return BoundedHandle(work, self, f"a message from stage {peer}"), buf
+
+
+def one_microbatch(stage: int, p: int) -> dict:
+    """The bytes one microbatch makes stage ``stage`` of ``p`` hold, measured by
+    running it alone through :class:`StageIO`'s own compute (no messages): from
+    its forward to its backward (the input received, what autograd saves, the
+    output) and in all (with the gradient received and the input's gradient)."""
+    io = StageIO(stage, p, wait_s=0.0)
+    last = stage == p - 1
+    x = None if stage == 0 else torch.empty(MICRO, WIDTH)
+    io.held.track(x, RECEIVED, 0)
+    out = io.forward(0, x)
+    flight = io.held.bytes()
+    grad = None if last else torch.ones(MICRO, WIDTH)
+    io.held.track(grad, RECEIVED, 0)
+    kept = [x, out, grad, io.backward(0, out, grad)]  # noqa: F841 - all alive
+    return {"flight": flight, "all": sum(r.size for r in io.held.seen)}
+
+
+def stage_budget(stage: int, p: int) -> dict:
+    """What 1F1B lets stage ``stage`` of ``p`` hold at once: ``p − stage``
+    microbatches in flight, each with its activations, plus one microbatch's
+    messages in transit (a gradient received, an input gradient not yet sent,
+    the next input received): ``(p − stage)·flight + all``."""
+    one = one_microbatch(stage, p)
+    k = p - stage
+    return {**one, "k": k, "bytes": k * one["flight"] + one["all"]}
 
 
 def probe_executor(solution, wait_s: float) -> dict:
@@ -222,9 +343,11 @@ def probe_executor(solution, wait_s: float) -> dict:
     comm.barrier(tag="pp-exercise")
     with Watch(forbidden) as seen:
         solution(list(actions), io)
+    io.sample("the end of the step")
     return {
         "grads": [q.grad for q in io.layer.parameters()],
-        "peak": io.peak,
+        "held": io.peak,
+        "budget": stage_budget(s, p),
         "launches": seen.launches,
         "peers": [(e["op"], e.get("peer")) for e in seen.events],
         "calls": io.calls,
@@ -249,7 +372,9 @@ def _one_process(p: int) -> list[list[torch.Tensor]]:
     measures=(
         "every stage's gradients == one process; a deadlock caught by a bounded "
         "wait (seconds, a clear message); sends only to stage ± 1, posted without "
-        "blocking, all waited by the end; peak in flight ≤ p − stage"
+        "blocking, all waited by the end; bytes of the stage's tensors allocated "
+        "at once (by storage: outputs, buffers received, input gradients, what "
+        "autograd saved) ≤ (p − stage) microbatches in flight + one in transit"
     ),
 )
 def check_pipeline_executor(solution, cluster=None, wait_s: float = 3.0):
@@ -289,22 +414,63 @@ def check_pipeline_executor(solution, cluster=None, wait_s: float = 3.0):
                 "blocking until the neighbour received: post sends and wait for "
                 "them at the end."
             )
-        if rep["peak"] > p - s:
-            raise ExerciseFailed(
-                f"stage {s} held {rep['peak']} microbatches' activations at once; "
-                f"1F1B holds at most p − stage = {p - s}. Run the actions in the "
-                "schedule's order."
-            )
-        for g, w in zip(rep["grads"], want[s]):
+        if rep["held"]["bytes"] > rep["budget"]["bytes"]:
+            raise ExerciseFailed(_held_too_much(s, rep["held"], rep["budget"]))
+        for name, g, w in zip(("weight", "bias"), rep["grads"], want[s]):
             if g is None or not torch.allclose(g, w, atol=1e-6):
+                off = "none" if g is None else f"off by {(g - w).abs().max():.2e}"
                 raise ExerciseFailed(
-                    f"stage {s}: the gradients differ from one process's. Does each "
-                    "backward get the gradient received for its own microbatch, "
-                    "and does send_grad send the input's gradient io.backward "
-                    "returned?"
+                    f"stage {s}: the gradient of its {name} differs from one "
+                    f"process's ({off}). Does each backward get the gradient "
+                    "received for its own microbatch, and does send_grad send the "
+                    "input's gradient io.backward returned?"
                 )
+    held = [f"{r['held']['bytes']}/{r['budget']['bytes']}" for r in reports]
     return [
         f"every stage's gradients equal one process's (p={p}, m={M})",
-        "sends only to neighbours, posted without blocking, all waited; peak in "
-        f"flight {[r['peak'] for r in reports]} (≤ p − stage)",
+        "sends only to neighbours, posted without blocking, all waited",
+        f"bytes of tensors held at once, per stage / its 1F1B budget: {held}",
     ]
+
+
+def _mbs(n: int) -> str:
+    return f"{n} microbatch" if n == 1 else f"{n} microbatches"
+
+
+def _held_too_much(s: int, held: dict, budget: dict) -> str:
+    """What a stage that held more than 1F1B's budget is told: the bytes, what
+    they were, and the rule."""
+    k, flight = budget["k"], budget["flight"]
+    now = [(kind.split(": ", 1), b, mbs) for kind, (b, mbs) in held["kinds"].items()]
+    in_flight = [f"{what} {b} B" for (state, what), b, _ in now if state == "in flight"]
+    kept = sorted(
+        ((b, what, mbs) for (state, what), b, mbs in now if state == "kept"),
+        reverse=True,
+    )
+    found = []
+    if held["in_flight"] or in_flight:
+        found.append(f"{_mbs(held['in_flight'])} in flight ({', '.join(in_flight)})")
+    if kept:
+        found.append(
+            "kept after their backward: "
+            + ", ".join(f"{what} of {_mbs(len(mbs))} ({b} B)" for b, what, mbs in kept)
+        )
+    head = (
+        f"stage {s} held {held['bytes']} B of tensors at once, at {held['at']}: "
+        f"{held['bytes'] / flight:.1f} microbatches' worth ({flight} B each from its "
+        f"forward to its backward). Found: {'; '.join(found)}. 1F1B lets stage {s} "
+        f"hold p − stage = {k} microbatches in flight ({k} × {flight} B) and one "
+        f"microbatch's messages in transit ({budget['all']} B): {budget['bytes']} B."
+    )
+    if held["in_flight"] > k:
+        return head + (
+            " Every forward ran before the backwards that free them: run the "
+            "actions in the schedule's order, whose warm-up is p − stage − 1 "
+            "forwards."
+        )
+    return head + (
+        " A microbatch's tensors are needed from its forward to its backward (its "
+        "input gradient until it is sent): whatever still refers to them after that "
+        "(a dict entry never removed, a list, a view) keeps their whole storage "
+        "allocated."
+    )
