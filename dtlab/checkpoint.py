@@ -61,6 +61,13 @@ def _sharded(model):
             f"{type(model).__name__} is not a dtlab.zero.FullyShardedDataParallel: "
             "wrap the model first (torch.save suits an unsharded one)"
         )
+    whole = [u["name"] for u in model.units if u.get("replicated")]
+    if whole:
+        raise NotImplementedError(
+            f"units {whole} are replicated (FullyShardedDataParallel(replicate=...)): "
+            "the sharded checkpoint saves slices of sharded units only; save such a "
+            "model without replicate, or its full state dict"
+        )
     return model
 
 

@@ -25,6 +25,7 @@ phase, then all-gather phase, ``2(N-1)`` steps — so its traffic is real traffi
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -268,8 +269,13 @@ def reduce_scatter(
     )
 
 
-def all_gather(output, input, group=None, *, async_op=False, tag=None):
-    """Every rank's ``input`` concatenated along dim 0 into ``output`` on every rank."""
+def all_gather(
+    output, input, group=None, *, async_op=False, tag=None, check_sizes=None
+):
+    """Every rank's ``input`` concatenated along dim 0 into ``output`` on every rank.
+    ``check_sizes``: first check (one small all-gather) that every rank gives as many
+    elements, where gloo would hang or abort; ``None``: for blocking calls from
+    outside dtlab's library (the library's own agree by construction)."""
     pg, axis = _resolve(group)
     n = dist.get_world_size(pg)
     if output.numel() != input.numel() * n:
@@ -277,15 +283,34 @@ def all_gather(output, input, group=None, *, async_op=False, tag=None):
             f"all_gather: output has {output.numel()} elements, expected "
             f"{n} x input ({input.numel()})"
         )
-    return _call(
-        "all_gather",
-        output,
-        n,
-        axis,
-        async_op,
-        tag,
-        lambda: _all_gather_single(output, input, group=pg, async_op=async_op),
-    )
+    if check_sizes is None:  # a notebook, an exercise, a test: not dtlab's library
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        library = caller.startswith("dtlab.") and not caller.startswith("dtlab.exer")
+        check_sizes = not async_op and not library
+
+    def run():  # inside the op's record: a rank stuck in the check shows this op
+        if check_sizes and n > 1:
+            _same_size_everywhere("all_gather", input, pg)
+        return _all_gather_single(output, input, group=pg, async_op=async_op)
+
+    return _call("all_gather", output, n, axis, async_op, tag, run)
+
+
+def _same_size_everywhere(op: str, input, pg) -> None:
+    """Raise on every rank alike if the ranks' ``input`` sizes differ (gloo does not
+    check: a rank sent less than expected waits forever, one sent more aborts)."""
+    mine = torch.tensor([input.numel()], dtype=torch.int64, device=input.device)
+    every = mine.new_empty(dist.get_world_size(pg))
+    _all_gather_single(every, mine, group=pg)
+    sizes = every.tolist()
+    if len(set(sizes)) > 1:
+        told = ", ".join(f"rank {r}: {k}" for r, k in enumerate(sizes))
+        raise ValueError(
+            f"{op}: the ranks give inputs of different sizes ({told} elements); "
+            "every rank must give the same number (a sharded parameter's local "
+            "pieces differ in size from rank to rank: pad them, or gather the "
+            "whole slices they are cut from)"
+        )
 
 
 def broadcast(tensor, src: int = 0, group=None, *, async_op=False, tag=None):

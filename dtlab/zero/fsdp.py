@@ -61,6 +61,18 @@ class FullyShardedDataParallel(ShardedState):
     then 3Ψ minus the root). ``sync_module_states=True`` broadcasts rank 0's weights
     first, for models not initialised identically on every rank.
 
+    ``replicate``: which parameters every rank keeps whole instead of sharding.
+    ``None`` (the default) shards every parameter, norms and biases included, as
+    FSDP2's ``fully_shard`` does for each module it wraps. A module class or tuple
+    of classes (``(nn.LayerNorm,)``) replicates the parameters such modules hold;
+    a function ``fn(name, param) -> bool`` picks them one by one (CS336's FSDP keeps
+    what is not a matrix whole: ``lambda name, p: p.dim() < 2``). Replicated
+    parameters form a unit of their own beside the one they came from and live as
+    under DDP (or ``stage=0``), whatever the stage: every rank holds them, their
+    gradient is all-reduced and averaged, the module shows them whole, in their
+    shape, with the same gradient on every rank, and the optimizer steps all of
+    them on every rank. :mod:`dtlab.checkpoint` saves slices, not yet such units.
+
     ``replicate_group`` (HSDP, :mod:`dtlab.zero.hsdp`): ``process_group`` is then the
     *shard* group, over which everything above happens, and the replicate group
     joins the ranks that hold the same slice; each reduced gradient slice is
@@ -73,8 +85,13 @@ class FullyShardedDataParallel(ShardedState):
     **What the optimizer steps.** ``.parameters()`` are this rank's local shards, one
     per parameter piece in its slice (:class:`~dtlab.zero.units.LocalShard`, views of
     the fp32 master slice), named as in the module; a plain ``torch.optim.AdamW``
-    over them *is* the sharded optimizer. A frozen parameter's shard has
-    ``requires_grad=False``; one that got no gradient keeps ``.grad = None``.
+    over them *is* the sharded optimizer. In fp32 on 2 ranks the weights equal bit
+    for bit those of one process that adds the ranks' halved gradients, under SGD,
+    Adam(W) for-loop or foreach; not under ``fused=True`` on CPU, whose kernel
+    rounds a tensor's last ``numel % V`` elements (its scalar tail) otherwise than
+    the rest, so a piece's end changes bits (tests/test_fsdp_fidelity.py). A frozen
+    parameter's shard has ``requires_grad=False``; one that got no gradient keeps
+    ``.grad = None``.
 
     **What the module shows.** Inside forward and backward the module computes with
     its own parameters (views of the full weights). Once a backward has finished and
@@ -107,6 +124,7 @@ class FullyShardedDataParallel(ShardedState):
         keep_root_gathered: bool = False,
         sync_module_states: bool = False,
         replicate_group=None,
+        replicate=None,
     ):
         super().__init__(
             module,
@@ -117,11 +135,11 @@ class FullyShardedDataParallel(ShardedState):
             offload,
             sync_module_states,
             replicate_group,
+            replicate,
         )
         self.prefetch = bool(prefetch)
         self.keep_root_gathered = bool(keep_root_gathered)
         self._reducer = Reducer(
-            self.sharding,
             self.placement,
             self.process_group,
             self._in_flight,
@@ -145,7 +163,7 @@ class FullyShardedDataParallel(ShardedState):
             for e in u.entries:
                 if e.param.requires_grad:
                     e.param.register_post_accumulate_grad_hook(self._grad_hook(u))
-            if u.module is not self.module:
+            if u.module is not self.module and not u.replicated:
                 u.module.register_forward_pre_hook(self._pre_forward_hook(u))
                 u.module.register_forward_hook(self._post_forward_hook(u))
         me = weakref.ref(self)
@@ -224,9 +242,8 @@ class FullyShardedDataParallel(ShardedState):
         for u in self._units:
             u.ready, u.reduced = 0, False
         self._drop_full_grads()
-        if not self.sharding.shards_params and self._dirty:
-            self._dirty = False
-            self._gather.refresh(self._units)  # P_os: the updated slices, once
+        if self._dirty:  # P_os: the updated slices, once (stage 3: replicated units)
+            self.sync_params()
 
     def _before_unit(self, u, why: str) -> None:
         if why == "fwd":
@@ -282,7 +299,7 @@ class FullyShardedDataParallel(ShardedState):
 
     # ---- P_os+g+p (stage 3): gathered before each use, freed after it ----------
     def _after_unit_forward(self, u, out) -> None:
-        if not self.sharding.shards_params:
+        if not u.sharding.shards_params:
             return
         if not self._keeps_gathered(u):
             self._gather.wait(u)
@@ -303,7 +320,7 @@ class FullyShardedDataParallel(ShardedState):
     def _reshard(self, u, everything: bool = False) -> None:
         """Free ``u``'s full weights once its backward is over (``everything``: at
         the end of backward, a kept root and unused prefetches too)."""
-        if not self.sharding.shards_params or u.master is None:
+        if not u.sharding.shards_params or u.master is None:
             return
         if everything or not self._keeps_gathered(u):
             self._gather.wait(u)
@@ -339,7 +356,7 @@ class FullyShardedDataParallel(ShardedState):
             return
         flat, with_grad = self._reducer.bucket(u)
         self._reshard(u)
-        if self.sharding.keeps_full_grads:
+        if u.sharding.keeps_full_grads:
             u.flat_grad = flat  # the module's .grad are views of it until the step
             if not self.require_backward_grad_sync:
                 self._unsynced = True  # under no_sync: no communication now

@@ -28,8 +28,7 @@ class Gatherer:
     """The all-gathers of one wrapper's units over ``group`` (asynchronous; a unit
     holds its work in flight in ``unit.handle`` until :meth:`wait`)."""
 
-    def __init__(self, sharding, placement, group, in_flight):
-        self.sharding = sharding
+    def __init__(self, placement, group, in_flight):
         self.placement = placement
         self.group = group
         self.in_flight = in_flight
@@ -39,7 +38,7 @@ class Gatherer:
         ``why`` is ``fwd``, ``bwd`` or ``step`` (after an optimizer step)."""
         if u.master is None or u.gathered or u.handle is not None:
             return
-        if not self.sharding.shards_optimizer:  # every rank holds everything
+        if not u.sharding.shards_optimizer:  # every rank holds everything
             if not u.alias:  # bf16 weights or a host master: a local cast/copy
                 u.full.copy_(u.master)
             u.gathered = True
@@ -48,7 +47,7 @@ class Gatherer:
             if why != "bwd":  # backward reuses the forward's cast: no step between
                 u.lowp.copy_(u.master)
             source = u.lowp
-        elif self.sharding.shards_params:
+        elif u.sharding.shards_params:
             source = u.master  # fp32 on the device: the slice itself
         else:  # stages 1-2: full stays allocated, and the input must not alias it
             source = self.in_flight.add(
@@ -62,7 +61,7 @@ class Gatherer:
             source,
             self.group,
             async_op=True,
-            tag=self.sharding.tag(f"ag-{why}/{u.name}"),
+            tag=u.sharding.tag(f"ag-{why}/{u.name}"),
         )
         u.handle = (work, source)
         memory.current().update()

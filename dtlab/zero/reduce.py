@@ -64,18 +64,17 @@ class Reduction:
 
 class Reducer:
     """The gradient reductions of one wrapper's units over ``group`` (and, under
-    HSDP, over ``replicas``)."""
+    HSDP, over ``replicas``); each unit's stage (``u.sharding``) says whether it is
+    all-reduced (stage 0, or a replicated unit) or reduce-scattered."""
 
     def __init__(
         self,
-        sharding,
         placement,
         group,
         in_flight,
         max_inflight: int = 2,
         replicas: Replicas | None = None,
     ):
-        self.sharding = sharding
         self.placement = placement
         self.group = group
         self.replicas = replicas or Replicas()
@@ -103,8 +102,8 @@ class Reducer:
             with_grad.append(e)
             if e.param.grad.data_ptr() != view.data_ptr():
                 view.copy_(e.param.grad)  # (autograd adds into a kept view in place)
-            e.param.grad = view if self.sharding.keeps_full_grads else None
-        if self.sharding.shards_grads:
+            e.param.grad = view if u.sharding.keeps_full_grads else None
+        if u.sharding.shards_grads:
             self.in_flight.add(flat)
         return flat, with_grad
 
@@ -115,12 +114,12 @@ class Reducer:
         power of two)."""
         with torch.no_grad():
             flat.mul_(1.0 / self.dp_degree)
-        if not self.sharding.shards_optimizer:  # every rank steps everything
+        if not u.sharding.shards_optimizer:  # every rank steps everything
             work = comm.all_reduce(
                 flat,
                 group=self.group,
                 async_op=True,
-                tag=self.sharding.tag(f"ar/{u.name}"),
+                tag=u.sharding.tag(f"ar/{u.name}"),
             )
             out = flat
         else:  # P_os+g: each rank receives the sum of its own slice only
@@ -132,7 +131,7 @@ class Reducer:
                 flat,
                 group=self.group,
                 async_op=True,
-                tag=self.sharding.tag(f"rs/{u.name}"),
+                tag=u.sharding.tag(f"rs/{u.name}"),
             )
         self.pending.append(Reduction(u, work, flat, out, with_grad))
         memory.current().update()
@@ -145,7 +144,7 @@ class Reducer:
         """The shard group's reduction of ``r`` has landed: start its second hop,
         the all-reduce of the slice over the replicas (none without HSDP)."""
         r.work = self.replicas.all_reduce(
-            r.out, tag=self.sharding.tag(f"ar-replicas/{r.unit.name}")
+            r.out, tag=r.unit.sharding.tag(f"ar-replicas/{r.unit.name}")
         )
         r.across_replicas = True
 
@@ -162,16 +161,16 @@ class Reducer:
     def finish(self, u, flat, out, with_grad) -> None:
         """Give each local shard its part of the averaged gradient as ``.grad`` (the
         bucket was divided by the replicas before its sum)."""
-        if u.alias and not self.sharding.shards_optimizer:  # stage 0, fp32
+        if u.alias and not u.sharding.shards_optimizer:  # stage 0, fp32
             grad = flat  # in place: the compute .grad views see it (as DDP)
-        elif u.alias and self.sharding.keeps_full_grads:  # stage 1, fp32
+        elif u.alias and u.sharding.keeps_full_grads:  # stage 1, fp32
             # the kept bucket's own slice becomes the averaged gradient
             grad = flat[u.lo : u.lo + u.S].copy_(out)
         else:
             grad = self.placement.master_gradient(out, u.master)
-        if self.sharding.shards_optimizer:
+        if u.sharding.shards_optimizer:
             self.in_flight.drop(out)
-        if self.sharding.shards_grads:
+        if u.sharding.shards_grads:
             self.in_flight.drop(flat)  # stage 2's promise: the full bucket is gone
         for e in with_grad:
             shard = e.shard.tensor

@@ -18,7 +18,7 @@ from dtlab.zero.gather import Gatherer
 from dtlab.zero.hsdp import Replicas, hybrid_axes
 from dtlab.zero.offload import Placement
 from dtlab.zero.stages import Sharding
-from dtlab.zero.units import InFlight, LocalShard, make_units
+from dtlab.zero.units import InFlight, LocalShard, make_units, split_replicated
 
 __all__ = ["ShardedState"]
 
@@ -37,6 +37,7 @@ class ShardedState(nn.Module):
         offload: bool,
         sync_module_states: bool,
         replicate_group=None,
+        replicate=None,
     ):
         super().__init__()
         self.sharding = Sharding(stage)
@@ -70,10 +71,11 @@ class ShardedState(nn.Module):
         self.offload = bool(offload)
         self.device = params[0].device
         self.placement = Placement(self.device, self.offload)
-        self._units = make_units(module, units)
+        self._units = split_replicated(make_units(module, units), replicate)
         for u in self._units:
+            u.sharding = Sharding(0) if u.replicated else self.sharding
             u.materialise(
-                self.sharding,
+                u.sharding,
                 self.placement,
                 compute_dtype,
                 process_group,
@@ -82,9 +84,7 @@ class ShardedState(nn.Module):
             )
         self._in_flight = InFlight()
         self._dirty = False  # an optimizer stepped the shards since the last gather
-        self._gather = Gatherer(
-            self.sharding, self.placement, process_group, self._in_flight
-        )
+        self._gather = Gatherer(self.placement, process_group, self._in_flight)
         shards = [e.shard for u in self._units for e in u.entries]
         self._shards = [s for s in shards if s.tensor.numel()]  # what optimizers step
         self._empty = [s for s in shards if not s.tensor.numel()]  # only shown
@@ -134,17 +134,22 @@ class ShardedState(nn.Module):
                     grad.zero_()
 
     def sync_params(self) -> None:
-        """All-gather the updated slices into the full weights now (stages 0-2 do it
-        by themselves at the next forward after an optimizer step; stage 3 gathers
-        from the slices before every use anyway)."""
-        if not self.sharding.shards_params:
-            self._dirty = False
-            self._gather.refresh(self._units)
+        """All-gather the updated slices into the full weights now (stages 0-2 and
+        replicated units do it by themselves at the next forward after an optimizer
+        step; stage 3 gathers from the slices before every use anyway)."""
+        self._dirty = False
+        self._gather.refresh(self._kept_whole())
+
+    def _kept_whole(self) -> list:
+        """The units whose full weights live between steps: all of them below stage
+        3, and replicated units at every stage."""
+        return [u for u in self._units if not u.sharding.shards_params]
 
     @property
     def units(self) -> list[dict]:
-        """Each unit's name, parameter count, padded size and slice ``[lo, lo+S)``,
-        and its parameters ``(name, shape, offset)`` in the flat layout."""
+        """Each unit's name, parameter count, padded size and slice ``[lo, lo+S)``
+        (a replicated unit: all of it), whether it is replicated, and its parameters
+        ``(name, shape, offset)`` in the flat layout."""
         return [
             dict(
                 name=u.name,
@@ -152,6 +157,7 @@ class ShardedState(nn.Module):
                 padded=u.padded,
                 lo=u.lo,
                 S=u.S,
+                replicated=u.replicated,
                 params=[(e.name, tuple(e.param.shape), e.offset) for e in u.entries],
             )
             for u in self._units
@@ -198,7 +204,10 @@ class ShardedState(nn.Module):
         for u in self._units:
             if u.master is None:
                 continue
-            full = self.gather_slices(u.master)
+            if u.replicated:  # every rank holds all of it
+                full = u.master.detach().cpu()
+            else:
+                full = self.gather_slices(u.master)
             for e in u.entries:
                 flat = full[e.offset : e.offset + e.numel]
                 out[e.name] = flat.view_as(e.param).clone()
@@ -215,7 +224,11 @@ class ShardedState(nn.Module):
         full = torch.empty(
             src.numel() * self.n_shards, dtype=src.dtype, device=src.device
         )
-        comm.all_gather(full, src, self.process_group, tag="zero/gather-full")
+        # a local shard's piece of one parameter (not a slice) differs in size from
+        # rank to rank, which gloo would not notice: the sizes are checked first
+        comm.all_gather(
+            full, src, self.process_group, tag="zero/gather-full", check_sizes=True
+        )
         return full.cpu()
 
     @torch.no_grad()
@@ -224,14 +237,21 @@ class ShardedState(nn.Module):
         squares of its pieces, one all-reduce adds them. With ``max_norm``, scales
         every shard's gradient by ``min(1, max_norm/norm)`` as
         ``torch.nn.utils.clip_grad_norm_`` does. A collective."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        replicated = {
+            id(e.shard.tensor) for u in self._units if u.replicated for e in u.entries
+        }
         sq = torch.zeros((), dtype=torch.float64)
-        for g in grads:
-            sq += g.detach().double().pow(2).sum().cpu()
+        sq_replicated = torch.zeros((), dtype=torch.float64)  # the same on each rank
+        grads = []
+        for p in self.parameters():
+            if p.grad is not None:
+                grads.append(p.grad)
+                part = sq_replicated if id(p) in replicated else sq
+                part += p.grad.detach().double().pow(2).sum().cpu()
         if self.n_shards > 1:
             sq = sq.to(self.device)
             comm.all_reduce(sq, group=self.process_group, tag="zero/grad-norm")
-        norm = sq.sqrt().float().cpu()
+        norm = (sq.cpu() + sq_replicated).sqrt().float()
         if max_norm is not None:
             if max_norm <= 0:
                 raise ValueError(f"max_norm must be positive, got {max_norm}")

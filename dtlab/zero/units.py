@@ -35,7 +35,14 @@ from torch import nn
 
 from dtlab import comm
 
-__all__ = ["LocalShard", "FlatUnit", "InFlight", "padded", "make_units"]
+__all__ = [
+    "LocalShard",
+    "FlatUnit",
+    "InFlight",
+    "padded",
+    "make_units",
+    "split_replicated",
+]
 
 
 def padded(numel: int, n: int) -> int:
@@ -93,10 +100,20 @@ class FlatUnit:
     shards, and where it stands within a step (gathered, gradients counted,
     reduced)."""
 
-    def __init__(self, name: str, module: nn.Module, entries: list[Entry]):
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        entries: list[Entry],
+        replicated: bool = False,
+    ):
         self.name = name
         self.module = module
         self.entries = entries
+        # replicated: every rank holds and steps all of it, its gradient is
+        # all-reduced (stage 0 for this unit, whatever the wrapper's stage)
+        self.replicated = replicated
+        self.sharding = None  # this unit's Sharding, set by its wrapper
         self.numel = sum(e.numel for e in entries)
         self.n_grads = sum(e.param.requires_grad for e in entries)
         self.padded = self.S = self.lo = 0
@@ -260,3 +277,52 @@ def make_units(module: nn.Module, units) -> list[FlatUnit]:
         for m in ordered
         if members[m] or m is module
     ]
+
+
+def split_replicated(units: list[FlatUnit], replicate) -> list[FlatUnit]:
+    """Move the parameters ``replicate`` picks out of each unit into a replicated
+    unit of their own, next to it (a unit they fill entirely becomes replicated
+    itself). ``replicate``: None (nothing), a module class or tuple of classes (the
+    parameters such modules hold themselves), or ``fn(name, param) -> bool``."""
+    if replicate is None:
+        return units
+    if isinstance(replicate, type) or (
+        isinstance(replicate, tuple) and all(isinstance(t, type) for t in replicate)
+    ):
+        classes = replicate
+
+        def picked(e: Entry) -> bool:
+            return any(isinstance(m, classes) for m, _ in e.places)
+
+    elif callable(replicate):
+
+        def picked(e: Entry) -> bool:
+            return bool(replicate(e.name, e.param))
+
+    else:
+        raise ValueError(
+            "replicate must be None, a module class or tuple of classes, or a "
+            f"function (name, param) -> bool; got {replicate!r}"
+        )
+    out = []
+    for u in units:
+        rep = [e for e in u.entries if picked(e)]
+        keep = [e for e in u.entries if not picked(e)]
+        if not rep:
+            out.append(u)
+        elif not keep:
+            out.append(FlatUnit(u.name, u.module, u.entries, replicated=True))
+        else:
+            out.append(FlatUnit(u.name, u.module, _packed(keep)))
+            name = f"{u.name}(replicated)"
+            out.append(FlatUnit(name, u.module, _packed(rep), replicated=True))
+    return out
+
+
+def _packed(entries: list[Entry]) -> list[Entry]:
+    """The same parameters laid out back to back from offset 0."""
+    out, off = [], 0
+    for e in entries:
+        out.append(Entry(e.name, e.param, off, e.numel, e.places))
+        off += e.numel
+    return out
