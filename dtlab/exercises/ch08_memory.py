@@ -6,12 +6,14 @@ Both run in this process (each rank would do the same thing alone).
    GPT unwrapped: the loss and every gradient bit-identical (dropout included),
    every block recomputed in backward (the checker's pre-hooks on each block's
    modules count two calls, one in the forward and one in the recomputation), and
-   no more bytes saved for backward than dtlab's full recomputation saves
-   (:class:`dtlab.memory.SavedBytes`).
+   no more bytes left allocated by the forward than dtlab's full recomputation
+   leaves: every module's output and every tensor autograd saves, followed by
+   their storages (:class:`.ch08_storage.ForwardStorages`), so an activation the
+   learner's code keeps alive itself counts too.
 2. ``accumulation``: microbatches of *unequal* sizes; the gradient left in
-   ``.grad`` must be the mean loss's over every sample, and the activations held at
-   once (live :class:`dtlab.memory.SavedBytes`) no more than the largest
-   microbatch's.
+   ``.grad`` must be the mean loss's over every sample, and the activations
+   allocated at once (the same storages followed, sampled at every module output
+   and every saved tensor) no more than the largest microbatch's.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from torch import nn
 
 from dtlab import recompute
 from dtlab.exercises.ch08_solutions import accumulate_gradients, checkpoint_blocks
+from dtlab.exercises.ch08_storage import ForwardStorages, describe
 from dtlab.exercises.grading import ExerciseFailed, attempt, exercise
 from dtlab.exercises.watch import Watch
-from dtlab.memory import SavedBytes
 from dtlab.model import GPT, GPTConfig, SyntheticTokens, param_generator
 
 __all__ = ["check_checkpointing", "check_accumulation"]
@@ -68,8 +70,10 @@ def _run(prepare, x, y):
                     )
                 )
     torch.manual_seed(1234)  # the forward's dropout masks
-    with SavedBytes(skip_params=True) as saved:
+    with ForwardStorages(model, exclude=[x, y]) as held:
         loss = model(x, y)[1]
+        held.sample()  # what the forward left allocated for its backward
+    found = held.at_peak
     attempt(loss.backward)
     grads = {names.get(id(p), n): p.grad for n, p in model.named_parameters()}
     new = [n for n, p in model.named_parameters() if id(p) not in names]
@@ -77,7 +81,9 @@ def _run(prepare, x, y):
         "new_params": new,
         "loss": loss.detach(),
         "grads": grads,
-        "saved": saved.bytes,
+        "saved": held.peak,
+        "kinds": ForwardStorages.by_kind(found),
+        "kept": ForwardStorages.split(found)[1],  # bytes no graph holds
         "calls": calls,
         "forbidden": seen.forbidden,
     }
@@ -90,8 +96,8 @@ def _run(prepare, x, y):
     local=True,
     measures=(
         "loss and every gradient torch.equal to the unwrapped GPT (dropout 0.1); "
-        "every block's modules run twice (forward + recomputation); saved bytes ≤ "
-        "dtlab's full recomputation"
+        "every block's modules run twice (forward + recomputation); activation "
+        "bytes the forward leaves allocated ≤ dtlab's full recomputation's"
     ),
 )
 def check_checkpointing(solution, cluster=None):
@@ -140,15 +146,23 @@ def check_checkpointing(solution, cluster=None):
                 "and run with gradients enabled."
             )
     if mine["saved"] > full["saved"]:
+        more = {
+            kind: n - full["kinds"].get(kind, 0)
+            for kind, n in mine["kinds"].items()
+            if n > full["kinds"].get(kind, 0)
+        }
         raise ExerciseFailed(
-            f"the forward saved {mine['saved']} bytes for backward; full "
-            f"recomputation saves {full['saved']} (without: {plain['saved']}). What "
-            "else is kept?"
+            f"the forward left {mine['saved']} bytes of activations allocated; full "
+            f"recomputation leaves {full['saved']} (without: {plain['saved']}). "
+            f"Beyond it: {describe(more)}; {mine['kept']} B are held by no graph "
+            f"(with full recomputation {full['kept']} B). A checkpointed block "
+            "keeps only its input: what else keeps these tensors alive?"
         )
     return [
         "loss and every gradient bit-identical to the unwrapped GPT, dropout 0.1",
-        f"every block recomputed; {mine['saved']} B saved for backward (full "
-        f"recomputation {full['saved']} B, none {plain['saved']} B)",
+        f"every block recomputed; {mine['saved']} B of activations left allocated "
+        f"by the forward (full recomputation {full['saved']} B, none "
+        f"{plain['saved']} B)",
     ]
 
 
@@ -169,10 +183,19 @@ def _micro_batches():
     ]
 
 
+def _following(model, batches) -> ForwardStorages:
+    """Every module output and saved tensor of ``model``, sampled at each one;
+    the microbatches are the checker's, not activations."""
+    inputs = [t for b in batches for t in b]
+    return ForwardStorages(
+        model, exclude=inputs, sample_each=True, spare_root_output=True
+    )
+
+
 def _activation_peak(model, x, y) -> int:
-    with SavedBytes(skip_params=True) as saved:
+    with _following(model, [(x, y)]) as held:
         nn.functional.mse_loss(model(x), y)
-    return saved.bytes
+    return held.peak
 
 
 def _weighting(got: torch.Tensor, name: str, batches) -> str:
@@ -234,16 +257,25 @@ def check_accumulation(solution, cluster=None):
     nn.functional.mse_loss(whole(x), y).backward()
     largest = max(_activation_peak(_accumulation_model(), *b) for b in batches)
     model = _accumulation_model()
-    held = SavedBytes(skip_params=True, live=True)
-    peak = [0]
-    held.on_new = lambda _: peak.__setitem__(0, max(peak[0], held.bytes))
-    with held:
+    with _following(model, batches) as held:
         attempt(solution, model, batches, nn.functional.mse_loss)
-    if peak[0] > largest:
+    peak = held.peak
+    if peak > largest:
+        graph, kept = held.split(held.at_peak)
+        if graph > largest or not kept:
+            raise ExerciseFailed(
+                f"{peak} bytes of activations were held at once, {graph} of them "
+                f"saved for backward, more than the largest microbatch's "
+                f"{largest}: all microbatches were alive together. Call backward "
+                "after each microbatch's forward."
+            )
         raise ExerciseFailed(
-            f"{peak[0]} bytes of activations were held at once, more than the "
-            f"largest microbatch's {largest}: all microbatches were alive "
-            "together. Call backward after each microbatch's forward."
+            f"{peak} bytes of activations were allocated at once, more than the "
+            f"largest microbatch's {largest}: {kept} B of them no graph needs any "
+            f"more stay alive because your code holds them "
+            f"({describe(held.by_kind(held.at_peak, kept_by_code_only=True))}). "
+            "Keep nothing of a microbatch past its backward but numbers "
+            "(loss.item())."
         )
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         if p.grad is None:
@@ -254,6 +286,6 @@ def check_accumulation(solution, cluster=None):
     return [
         f"the gradient equals the mean loss's over {x.shape[0]} samples in "
         f"microbatches of {list(SIZES)}",
-        f"at most {peak[0]} B of activations held at once (the largest "
+        f"at most {peak} B of activations allocated at once (the largest "
         f"microbatch's: {largest} B)",
     ]

@@ -70,6 +70,18 @@ def saves_memory_with_no_grad(model):
     return model
 
 
+@mistake("checkpointing", expect="output of blocks.0.mlp")
+def keeps_each_mlp_output(model):
+    """The right wrapping, plus a forward hook that keeps each block's MLP output
+    in a list: those tensors stay allocated however the blocks are recomputed."""
+    kept = []
+    for block in model.blocks:
+        _wrap(block, preserve_rng_state=True)
+        block.mlp.register_forward_hook(lambda mod, args, out: kept.append(out))
+    model.kept_mlp_outputs = kept
+    return model
+
+
 # ---- accumulation ------------------------------------------------------------------
 @mistake("accumulation", expect="not by 1/3")
 def divides_by_the_number_of_micro_batches(model, micro_batches, loss_fn):
@@ -102,3 +114,15 @@ def sums_the_mean_losses(model, micro_batches, loss_fn):
     small microbatches count as much as the big ones."""
     for x, y in micro_batches:
         loss_fn(model(x), y).backward()
+
+
+@mistake("accumulation", expect="because your code holds them")
+def keeps_the_hidden_activations(model, micro_batches, loss_fn):
+    """Backward after each microbatch, but every microbatch's hidden activations
+    kept (detached, "for inspection"): autograd frees nothing the list holds."""
+    total = sum(x.shape[0] for x, _ in micro_batches)
+    kept = []
+    for x, y in micro_batches:
+        hidden = model[1](model[0](x))
+        kept.append(hidden.detach())
+        (loss_fn(model[2](hidden), y) * x.shape[0] / total).backward()
