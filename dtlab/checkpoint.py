@@ -135,7 +135,7 @@ def save_sharded(path, model, optimizer=None, *, extra: dict | None = None) -> s
     }
     # one writer per shard: stage 0 has one copy of the whole state, and under HSDP
     # every replica holds the same shards (replica 0 writes them)
-    first_replica = getattr(model, "replica_rank", 0) == 0
+    first_replica = model.replica_rank == 0
     if first_replica and (model.n_shards > 1 or model.rank == 0):
         torch.save(payload, _file(path, rank))
     if model.rank == 0 and first_replica:
@@ -153,7 +153,7 @@ def save_sharded(path, model, optimizer=None, *, extra: dict | None = None) -> s
         with open(os.path.join(path, META), "w", encoding="utf-8") as f:
             json.dump(meta, f)
     comm.barrier(model.process_group, tag="checkpoint")
-    if getattr(model, "replicate_group", None) is not None:  # HSDP: replica 0 wrote
+    if model.replicate_group is not None:  # HSDP: replica 0 wrote
         comm.barrier(model.replicate_group, tag="checkpoint")
     return path
 
@@ -337,7 +337,7 @@ def _reshardable(trainer) -> str | None:
 
 
 def _sizes(layout) -> dict[str, int]:
-    return {a: getattr(layout, a) for a in ("dp", "tp", "pp", "cp", "ep")}
+    return {a: layout.size(a) for a in ("dp", "tp", "pp", "cp", "ep")}
 
 
 def _rank() -> int:

@@ -9,7 +9,7 @@ active (:func:`dtlab.telemetry.current`), records::
 
 ``payload_bytes`` is the size of the logical tensor the op is about (for all-gather
 and reduce-scatter: the *full*, unsharded tensor). ``wire_bytes`` is what this rank
-sends under the ring algorithm (:func:`dtlab.estimate.wire_bytes`): all-reduce
+sends under the ring algorithm (:func:`dtlab.events.wire_bytes`): all-reduce
 ``2(N-1)/N·S``, reduce-scatter and all-gather ``(N-1)/N·S``, broadcast and send ``S``,
 receive 0; all-to-all: every piece but the one a rank keeps, ``(N-1)/N·S`` for
 equal pieces. Dividing wire bytes by time gives the *bus bandwidth* the way nccl-tests
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from dtlab import opwatch, telemetry
-from dtlab.estimate import wire_bytes as _wire_bytes
 from dtlab.events import Kind
+from dtlab.events import wire_bytes as _wire_bytes
 from dtlab.opwatch import (  # what each rank is doing, read through comm too
     current_op,
     describe_op,

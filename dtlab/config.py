@@ -18,12 +18,12 @@ from dtlab.events import (
     PRECISIONS,
     SCHEDULES,
     STRATEGIES,
+    zero_stage,
 )
 from dtlab.model import GPTConfig
-from dtlab.parallelize import check_composition
 from dtlab.topology import Layout
 
-__all__ = ["TrainConfig", "check_strategy"]
+__all__ = ["TrainConfig", "check_strategy", "check_composition"]
 
 
 # ---- configuration -------------------------------------------------------------------
@@ -129,6 +129,12 @@ class TrainConfig:
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def zero_stage(self) -> int | None:
+        """The ZeRO stage of :attr:`strategy` (1-3), or ``None`` for DDP: the one
+        place the strategy's name is decoded."""
+        return zero_stage(self.strategy)
 
     # ---- JSON ---------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -248,3 +254,92 @@ def check_strategy(name: str) -> str:
         f"unknown strategy {name!r}: expected one of {list(STRATEGIES)} "
         "(tensor and pipeline parallelism come from the layout)"
     )
+
+
+# ---- what composes -------------------------------------------------------------------
+def check_composition(config, layout) -> None:
+    """Raise ``ValueError`` for a combination that cannot run, saying why and what
+    to change (called by :meth:`TrainConfig.check`)."""
+    zero = config.zero_stage is not None
+    if zero and layout.pp > 1 and config.schedule == "zb_h1":
+        raise ValueError(
+            "schedule 'zb_h1' does not compose with ZeRO: it computes input and "
+            "weight gradients in two backward passes, while ZeRO reduce-scatters a "
+            "unit's gradient when the unit's backward ends; use strategy='ddp' with "
+            "zb_h1, or another schedule with ZeRO"
+        )
+    if config.zero_shard_size is not None:
+        replicas = layout.dp * layout.cp
+        if not zero:
+            raise ValueError(
+                "zero_shard_size is HSDP's shard group: it needs a ZeRO strategy "
+                f"(zero1-zero3), not {config.strategy!r}"
+            )
+        if replicas % config.zero_shard_size:
+            raise ValueError(
+                f"zero_shard_size={config.zero_shard_size} does not divide the "
+                f"{replicas} data-parallel ranks: HSDP cuts them into equal shard "
+                "groups"
+            )
+    if config.offload and not zero:
+        raise ValueError(
+            f"offload keeps ZeRO's master shards on the host; strategy "
+            f"{config.strategy!r} has none: use a zero strategy or offload=False"
+        )
+    _check_beyond_3d(config, layout, zero)
+
+
+def _check_beyond_3d(config, layout, zero: bool) -> None:
+    """What context and expert parallelism compose with (chapter 11)."""
+    mc, cp, ep = config.model, layout.cp, layout.ep
+    if cp > 1:
+        for axis in ("tp", "pp"):
+            if layout.size(axis) > 1:
+                raise ValueError(
+                    f"cp={cp} with {axis}={layout.size(axis)} is not composed in "
+                    "dtlab: context parallelism runs a whole GPT's attention over "
+                    f"the cp ranks; put the ranks on dp, cp and ep, with {axis}=1"
+                )
+        if config.activation_checkpointing != "none":
+            raise ValueError(
+                "activation checkpointing with cp > 1 is not composed in dtlab: the "
+                "recomputation would run the ring's collectives again in backward; "
+                "use activation_checkpointing='none'"
+            )
+        if config.cp_variant == "ring" and mc.seq_len % (2 * cp):
+            raise ValueError(
+                f"ring attention gives each of cp={cp} ranks two of 2*cp equal "
+                f"chunks of the sequence: seq_len={mc.seq_len} must be a multiple "
+                f"of {2 * cp}"
+            )
+        if config.cp_variant == "ulysses" and (mc.seq_len % cp or mc.n_heads % cp):
+            raise ValueError(
+                f"Ulysses gives each of cp={cp} ranks seq_len/cp tokens, then "
+                f"n_heads/cp heads: seq_len={mc.seq_len} and n_heads={mc.n_heads} "
+                f"must be multiples of {cp}"
+            )
+    if mc.n_experts > 1:
+        for axis in ("tp", "pp"):
+            if layout.size(axis) > 1:
+                raise ValueError(
+                    f"a mixture of experts with {axis}={layout.size(axis)} is not "
+                    "composed in dtlab: tensor-parallel blocks and pipeline stages "
+                    "build the dense MLP; use n_experts=1 there, or tp=pp=1"
+                )
+    if ep > 1:
+        if mc.n_experts == 1:
+            raise ValueError(
+                f"ep={ep} shards a mixture of experts, but the model has none: "
+                "give it GPTConfig(n_experts=E) with E a multiple of ep, or ep=1"
+            )
+        if mc.n_experts % ep:
+            raise ValueError(
+                f"ep={ep} ranks each hold n_experts/ep experts: n_experts="
+                f"{mc.n_experts} must be a multiple of {ep}"
+            )
+        if zero:
+            raise ValueError(
+                f"ep={ep} with {config.strategy} is not composed in dtlab: ZeRO "
+                "would reduce the experts over every replica, but each expert lives "
+                "on one rank of each ep group; use strategy='ddp' with ep > 1"
+            )

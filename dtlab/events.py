@@ -37,6 +37,9 @@ __all__ = [
     "MEMORY_CATEGORIES",
     "HOST_CATEGORIES",
     "STATE_CATEGORIES",
+    "COLLECTIVES",
+    "check_collective",
+    "wire_bytes",
 ]
 
 
@@ -160,6 +163,59 @@ STATE_CATEGORIES = ("params", "grads", "optimizer", "buffers", *HOST_CATEGORIES)
 """The categories of model state (everything but activations)."""
 
 
+# ---- what crosses ranks --------------------------------------------------------------
+COLLECTIVES = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "send",
+    "recv",
+    "barrier",
+)
+"""The operations :mod:`dtlab.comm` records (the ``op`` of a :class:`CommEvent`)."""
+
+
+def check_collective(op: str, payload_bytes: float, n: int) -> None:
+    if op not in COLLECTIVES:
+        raise ValueError(f"unknown collective {op!r}: expected one of {COLLECTIVES}")
+    if payload_bytes < 0:
+        raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(
+            f"n (ranks in the group) must be a positive integer, got {n!r}"
+        )
+
+
+def wire_bytes(op: str, payload_bytes: float, n: int) -> float:
+    """Bytes that *this* rank sends for one collective over ``n`` ranks, under the ring
+    algorithm. ``payload_bytes`` S is the full tensor: the all-reduce buffer, the
+    reduce-scatter *input*, the all-gather *output*.
+
+    - all_reduce: ``2(N-1)/N · S`` (a reduce-scatter, then an all-gather)
+    - reduce_scatter, all_gather, all_to_all: ``(N-1)/N · S``
+    - broadcast, reduce: ``S`` (pipelined along a chain; the last rank sends nothing,
+      this is the busiest rank's count)
+    - send: ``S``; recv: ``0`` (the sender counts it); barrier: ``0``
+
+    Within one group (``n == 1``) nothing crosses ranks, so every op gives 0 except a
+    point-to-point send.
+    """
+    check_collective(op, payload_bytes, n)
+    S = payload_bytes
+    if op == "send":
+        return float(S)
+    if op in ("recv", "barrier") or n == 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * S
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n * S
+    return float(S)  # broadcast, reduce
+
+
 class CommEvent(TypedDict):
     kind: str  # Kind.COMM
     rank: int
@@ -169,7 +225,7 @@ class CommEvent(TypedDict):
     dtype: str
     numel: int
     payload_bytes: int
-    wire_bytes: float  # what this rank sends under the ring algorithm
+    wire_bytes: float  # what this rank sends under the ring algorithm: wire_bytes()
     t_start: float
     t_end: float
     tag: str | None

@@ -23,12 +23,12 @@ def _counted(parts, module, param) -> bool:
     tp, pp = parts.topo.axis("tp"), parts.topo.axis("pp")
     if getattr(param, "tensor_parallel_dim", None) is None and tp.index:
         return False  # replicated over tp: tp index 0 counts it
-    tied_copy = (
+    tied_copy = (  # (with pp > 1 the modules are stages: they know their place)
         pp.size > 1
         and parts.config.model.tied_head
-        and getattr(module, "last", False)
-        and not getattr(module, "first", False)
-        and param is getattr(getattr(module, "head", None), "weight", None)
+        and module.last
+        and not module.first
+        and param is module.head.weight
     )
     return not tied_copy  # the first stage counts the tied embedding
 

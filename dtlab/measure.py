@@ -14,7 +14,7 @@ import torch
 
 from dtlab import estimate
 from dtlab.estimate.layouts import value_bytes
-from dtlab.events import MEMORY_CATEGORIES, Kind, zero_stage
+from dtlab.events import MEMORY_CATEGORIES, Kind
 from dtlab.topology import Layout
 
 __all__ = [
@@ -25,10 +25,6 @@ __all__ = [
     "summarize",
     "format_summary",
 ]
-
-
-def _zero_stage(strategy: str) -> int:
-    return zero_stage(strategy) or 0
 
 
 def _shape(config, layout: Layout) -> tuple[int, int, int]:
@@ -43,7 +39,7 @@ def predicted_traffic(config, layout: Layout) -> dict:
     them (the gradients travel on ``dp_cp`` when cp > 1)."""
     per_step, _, rows = _shape(config, layout)
     out = estimate.layout_traffic(
-        config.model, layout, zero_stage=_zero_stage(config.strategy),
+        config.model, layout, zero_stage=config.zero_stage or 0,
         precision=config.precision, micro_batch_size=rows, microbatches=per_step,
         sequence_parallel=config.sequence_parallel, chunks=config.chunks,
         cp_variant=config.cp_variant,
@@ -63,7 +59,7 @@ def predicted_memory(config, layout: Layout, stage=None, device=None) -> dict:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     masks = estimate.dropout_mask_bytes(device, value_bytes(config.precision))
     return estimate.layout_memory(
-        config.model, layout, zero_stage=_zero_stage(config.strategy),
+        config.model, layout, zero_stage=config.zero_stage or 0,
         precision=config.precision, micro_batch_size=rows, microbatches=per_flush,
         schedule=config.schedule, chunks=config.chunks,
         checkpointing=config.activation_checkpointing,

@@ -44,10 +44,10 @@ first stage; the squares are summed over tp and pp (and over dp under ZeRO, wher
 the dp ranks hold disjoint slices). A plain replica (DDP over dp alone) measures it
 as ``clip_grad_norm_`` does, so chapter 02's run equals the reference bit for bit.
 
-What does not compose, and why (:func:`check_composition` says so before anything
-runs): ZB-H1 with ZeRO (its split backward computes input and weight gradients in
-two passes, while ZeRO reduce-scatters a unit's gradient when the unit's backward
-ends).
+What does not compose, and why (:func:`dtlab.config.check_composition` says so
+before anything runs): ZB-H1 with ZeRO (its split backward computes input and
+weight gradients in two passes, while ZeRO reduce-scatters a unit's gradient when
+the unit's backward ends).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ import torch
 from torch import nn
 
 from dtlab import amp, comm
-from dtlab.events import zero_stage
 from dtlab.global_norm import global_norm_fn
+from dtlab.gradsync import GradSync, Replicated, Sharded, all_reduce_flat
 from dtlab.memory import count_bytes
 from dtlab.model import GPT
 from dtlab.recompute import apply_activation_checkpointing
@@ -69,100 +69,15 @@ from dtlab.topology import Topology
 __all__ = [
     "Parallelized",
     "parallelize",
-    "check_composition",
+    "apply_model_parallel",
+    "apply_ddp",
+    "apply_zero",
+    "apply_pipeline",
+    "apply_precision",
     "replica_axis",
     "expert_parameters",
     "reduce_expert_gradients",
 ]
-
-
-# ---- what composes -------------------------------------------------------------------
-def check_composition(config, layout) -> None:
-    """Raise ``ValueError`` for a combination that cannot run, saying why and what
-    to change (called by :meth:`dtlab.train.TrainConfig.check`)."""
-    zero = zero_stage(config.strategy) is not None
-    if zero and layout.pp > 1 and config.schedule == "zb_h1":
-        raise ValueError(
-            "schedule 'zb_h1' does not compose with ZeRO: it computes input and "
-            "weight gradients in two backward passes, while ZeRO reduce-scatters a "
-            "unit's gradient when the unit's backward ends; use strategy='ddp' with "
-            "zb_h1, or another schedule with ZeRO"
-        )
-    if config.zero_shard_size is not None:
-        replicas = layout.dp * layout.cp
-        if not zero:
-            raise ValueError(
-                "zero_shard_size is HSDP's shard group: it needs a ZeRO strategy "
-                f"(zero1-zero3), not {config.strategy!r}"
-            )
-        if replicas % config.zero_shard_size:
-            raise ValueError(
-                f"zero_shard_size={config.zero_shard_size} does not divide the "
-                f"{replicas} data-parallel ranks: HSDP cuts them into equal shard "
-                "groups"
-            )
-    if config.offload and not zero:
-        raise ValueError(
-            f"offload keeps ZeRO's master shards on the host; strategy "
-            f"{config.strategy!r} has none: use a zero strategy or offload=False"
-        )
-    _check_beyond_3d(config, layout, zero)
-
-
-def _check_beyond_3d(config, layout, zero: bool) -> None:
-    """What context and expert parallelism compose with (chapter 11)."""
-    mc, cp, ep = config.model, layout.cp, layout.ep
-    if cp > 1:
-        for axis in ("tp", "pp"):
-            if layout.size(axis) > 1:
-                raise ValueError(
-                    f"cp={cp} with {axis}={layout.size(axis)} is not composed in "
-                    "dtlab: context parallelism runs a whole GPT's attention over "
-                    f"the cp ranks; put the ranks on dp, cp and ep, with {axis}=1"
-                )
-        if config.activation_checkpointing != "none":
-            raise ValueError(
-                "activation checkpointing with cp > 1 is not composed in dtlab: the "
-                "recomputation would run the ring's collectives again in backward; "
-                "use activation_checkpointing='none'"
-            )
-        if config.cp_variant == "ring" and mc.seq_len % (2 * cp):
-            raise ValueError(
-                f"ring attention gives each of cp={cp} ranks two of 2*cp equal "
-                f"chunks of the sequence: seq_len={mc.seq_len} must be a multiple "
-                f"of {2 * cp}"
-            )
-        if config.cp_variant == "ulysses" and (mc.seq_len % cp or mc.n_heads % cp):
-            raise ValueError(
-                f"Ulysses gives each of cp={cp} ranks seq_len/cp tokens, then "
-                f"n_heads/cp heads: seq_len={mc.seq_len} and n_heads={mc.n_heads} "
-                f"must be multiples of {cp}"
-            )
-    if mc.n_experts > 1:
-        for axis in ("tp", "pp"):
-            if layout.size(axis) > 1:
-                raise ValueError(
-                    f"a mixture of experts with {axis}={layout.size(axis)} is not "
-                    "composed in dtlab: tensor-parallel blocks and pipeline stages "
-                    "build the dense MLP; use n_experts=1 there, or tp=pp=1"
-                )
-    if ep > 1:
-        if mc.n_experts == 1:
-            raise ValueError(
-                f"ep={ep} shards a mixture of experts, but the model has none: "
-                "give it GPTConfig(n_experts=E) with E a multiple of ep, or ep=1"
-            )
-        if mc.n_experts % ep:
-            raise ValueError(
-                f"ep={ep} ranks each hold n_experts/ep experts: n_experts="
-                f"{mc.n_experts} must be a multiple of {ep}"
-            )
-        if zero:
-            raise ValueError(
-                f"ep={ep} with {config.strategy} is not composed in dtlab: ZeRO "
-                "would reduce the experts over every replica, but each expert lives "
-                "on one rank of each ep group; use strategy='ddp' with ep > 1"
-            )
 
 
 # ---- the parts -----------------------------------------------------------------------
@@ -173,7 +88,9 @@ class Parallelized:
     ``modules``: this rank's unwrapped model, or its pipeline stages (one per
     chunk); ``wrapped``: the same inside their data-parallel wrappers (a pipeline
     under DDP keeps the bare stages: it all-reduces once, after its last flush);
-    ``pipe``: the pipeline executor, or ``None``; ``optimizer``: the
+    ``pipe``: the pipeline executor, or ``None``; ``sync``: who finishes the
+    gradient synchronization (:class:`dtlab.gradsync.Replicated` or
+    :class:`dtlab.gradsync.Sharded`, one interface); ``optimizer``: the
     :class:`~dtlab.amp.MixedPrecisionOptimizer` over every parameter this rank
     steps (ZeRO's flat fp32 shards, or the model's own parameters).
     """
@@ -187,6 +104,7 @@ class Parallelized:
     wrapped: list[nn.Module]
     pipe: object | None = None
     shard_group: object | None = None  # what ZeRO shards over (dp, or HSDP's shard)
+    sync: GradSync | None = None
     optimizer: amp.MixedPrecisionOptimizer | None = field(default=None, repr=False)
 
     @property
@@ -194,41 +112,21 @@ class Parallelized:
         """What forward is called on without a pipeline (``None`` with one)."""
         return self.wrapped[0] if self.pipe is None else None
 
-    @property
-    def accumulates_locally(self) -> bool:
-        """Whether gradients of several backward passes can add up before any
-        communication: DDP and ZeRO 0-1 hold full gradients; ZeRO 2-3 shard them
-        and reduce-scatter after every backward (see :mod:`dtlab.zero`)."""
-        return self.zero_stage is None or self.zero_stage <= 1
-
     def weights(self) -> list[nn.Parameter]:
         """The weights the modules compute with (what activations are not)."""
         return [p for m in self.modules for p in m.parameters()]
 
     # ---- what this rank holds ------------------------------------------------------
     def memory(self, activations: int) -> dict[str, int]:
-        """Bytes this rank holds by category after the step, and their ``peak``."""
-        inner = self.optimizer.optimizer
-        if self.zero_stage is not None:
-            out = dict.fromkeys(("params", "grads", "optimizer", "buffers"), 0)
-            for w in self.wrapped:
-                for key, value in count_bytes(w.memory_tensors(inner)).items():
-                    out[key] = out.get(key, 0) + value
-        else:
-            # by storage: DDP's gradients are views of its buckets (one Ψ, not two)
-            weights = self.weights()
-            masters = self.optimizer.masters if self.policy.has_master_copy else []
-            states = [v for s in inner.state.values() for v in s.values()]
-            buckets = [
-                b.buffer for w in self.wrapped for b in getattr(w, "buckets", [])
-            ]
-            out = count_bytes(
-                [("params", p) for p in weights]
-                + [("grads", p.grad) for p in weights if p.grad is not None]
-                + [("optimizer", m) for m in masters]
-                + [("optimizer", v) for v in states if torch.is_tensor(v)]
-                + [("buffers", b) for b in buckets if b is not None]
-            )
+        """Bytes this rank holds by category after the step, and their ``peak``:
+        what the synchronization holds (weights, gradients, buffers, the inner
+        optimizer's state) and the 16-bit policies' fp32 masters, each storage
+        once."""
+        masters = self.optimizer.masters if self.policy.has_master_copy else []
+        out = count_bytes(
+            [*self.sync.memory_tensors(self.optimizer.optimizer)]
+            + [("optimizer", m) for m in masters]
+        )
         out["activations"] = activations
         # what this rank holds at once, at most: state plus a step's activations
         out["peak"] = sum(v for k, v in out.items() if not k.startswith("host_"))
@@ -272,39 +170,43 @@ class Parallelized:
     def state_dict(self) -> dict:
         """This rank's weights (its tp/pp slices, or its ZeRO shards) and its
         optimizer state: inner AdamW state, fp32 masters, loss scaler. Copies."""
-        if self.zero_stage is None:
-            model = [m.state_dict() for m in self.modules]
-        else:
-            model = [w.state_dict() for w in self.wrapped]  # the local shards
-        return copy.deepcopy({"model": model, "optimizer": self.optimizer.state_dict()})
+        return copy.deepcopy(
+            {"model": self.sync.state_dict(), "optimizer": self.optimizer.state_dict()}
+        )
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        if self.zero_stage is None:
-            for module, sd in zip(self.modules, state["model"], strict=True):
-                module.load_state_dict(sd)
-        # the masters (ZeRO: the shards themselves) and the 16-bit copies of them
+        # the masters (ZeRO: the shards themselves), then the weights they feed
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        for w in self.wrapped:
-            if hasattr(w, "sync_params"):
-                w.sync_params()  # ZeRO: the full weights follow the shards
+        self.sync.load_state_dict(state["model"])
 
 
 # ---- the fixed order -----------------------------------------------------------------
 def parallelize(config, topo: Topology, device: torch.device) -> Parallelized:
     """Build ``config``'s model on this rank of ``topo``, parallelized in the order
-    of the module docstring. A collective call: every rank of the world calls it."""
-    mc, layout = config.model, topo.layout
-    sp = config.sequence_parallel
+    of the module docstring, one ``apply_*`` function per step. A collective call:
+    every rank of the world calls it."""
+    modules = apply_model_parallel(config, topo, device)  # 1 and 2
+    for module in modules:  # 3, per block, before any wrapper hooks in
+        apply_activation_checkpointing(module, config.activation_checkpointing)
+    if config.zero_stage is None:  # 4, in 5.'s compute dtype
+        parts = apply_ddp(config, topo, device, modules)
+    else:
+        parts = apply_zero(config, topo, device, modules)
+    if topo.layout.pp > 1:
+        apply_pipeline(parts)
+    apply_precision(parts)  # 5
+    return parts
+
+
+def apply_model_parallel(config, topo: Topology, device) -> list[nn.Module]:
+    """Steps 1 and 2: this rank's modules. Every rank first builds the plain module
+    (its weights drawn per parameter name, so any slice of the model matches the
+    single-process GPT), keeps its pipeline stage(s), then its tp slices. Beyond 3D
+    (tp = pp = 1): expert parallelism keeps this rank's experts, context parallelism
+    splits every sequence (attention then reaches the other cp ranks)."""
+    mc, layout, sp = config.model, topo.layout, config.sequence_parallel
     tp, pp = topo.axis("tp"), topo.axis("pp")
-    dp = replica_axis(topo)
-    policy = amp.policy(config.precision)
-    stage = zero_stage(config.strategy)
-    # 1. tensor parallelism, 2. pipeline partitioning. Every rank first builds the
-    # plain module (its weights drawn per parameter name, so any slice of the model
-    # matches the single-process GPT), then keeps its tp slices. Beyond 3D (tp = pp
-    # = 1): expert parallelism keeps this rank's experts, context parallelism
-    # splits every sequence (attention then reaches the other cp ranks).
     if layout.pp == 1:
         modules = [GPT(mc, seed=config.seed)]
         if layout.ep > 1:
@@ -341,75 +243,107 @@ def parallelize(config, topo: Topology, device: torch.device) -> Parallelized:
         module.to(device).train()  # its GPU under nccl
         if sp:
             _sum_sequence_parallel_grads(module, tp)
-    # 3. activation checkpointing, per block, before any wrapper hooks in
+    return modules
+
+
+def apply_ddp(config, topo: Topology, device, modules) -> Parallelized:
+    """Step 4 under DDP: the modules cast to the compute dtype (DDP's buckets are
+    built for the cast module) and wrapped, or, under a pipeline, kept bare: the
+    pipeline all-reduces over dp once, after its last flush (:func:`apply_pipeline`
+    sets that synchronization)."""
+    policy = amp.policy(config.precision)
     for module in modules:
-        apply_activation_checkpointing(module, config.activation_checkpointing)
-    # 4. data parallelism over dp, in 5.'s compute dtype
-    dtype = policy.compute_dtype
-    if stage is None:
-        for module in modules:
-            module.to(dtype)  # DDP's buckets are built for the cast module
-        if layout.pp == 1:
-            from dtlab.ddp import DistributedDataParallel
+        module.to(policy.compute_dtype)
+    wrapped = list(modules)
+    if topo.layout.pp == 1:
+        from dtlab.ddp import DistributedDataParallel
 
-            wrapped = [
-                DistributedDataParallel(
-                    modules[0],
-                    bucket_cap_mb=config.bucket_cap_mb,
-                    process_group=dp,
-                    find_unused_parameters=config.find_unused_parameters,
-                    ignored_parameters=expert_parameters(modules[0]),
-                )
-            ]
-        else:  # the pipeline all-reduces over dp once, after the last flush
-            wrapped = list(modules)
-    else:
-        from dtlab.zero import FullyShardedDataParallel
-
-        cdtype = dtype if policy.has_master_copy else None
-        shard, replicate = dp, None
-        if config.zero_shard_size is not None:  # HSDP: shard in groups, replicate
-            from dtlab.zero import hsdp_groups
-
-            grid = hsdp_groups(config.zero_shard_size, topo.layout.groups(dp.name))
-            shard, replicate = grid.shard, grid.replicate
         wrapped = [
-            FullyShardedDataParallel(
-                module,
-                cdtype,
-                shard,
-                stage=stage,
-                units=_zero_units(module, pp.size > 1 and mc.tied_head),
-                offload=config.offload,
-                replicate_group=replicate,
+            DistributedDataParallel(
+                modules[0],
+                bucket_cap_mb=config.bucket_cap_mb,
+                process_group=replica_axis(topo),
+                find_unused_parameters=config.find_unused_parameters,
+                ignored_parameters=expert_parameters(modules[0]),
             )
-            for module in modules
         ]
-    parts = Parallelized(config, topo, device, policy, stage, modules, wrapped)
-    if stage is not None:
-        parts.shard_group = shard
-    if layout.pp > 1:
-        from dtlab.pipeline import Pipeline
+    parts = Parallelized(config, topo, device, policy, None, modules, wrapped)
+    parts.sync = Replicated(  # DDP, then ep > 1's experts
+        modules,
+        wrapped[0] if topo.layout.pp == 1 else None,
+        after=[lambda: reduce_expert_gradients(parts)],
+    )
+    return parts
 
-        parts.pipe = Pipeline(
-            mc,
-            topo,
-            config.schedule,
-            microbatches=config.resolve_microbatches(layout),
-            chunks=config.chunks,
-            seed=config.seed,
-            stages=wrapped,
-            loss_fn=modules[-1].loss,  # StageModule.loss or vocab-parallel CE
-            act_dtype=dtype,
-            seq_split=layout.tp if sp else 1,
+
+def apply_zero(config, topo: Topology, device, modules) -> Parallelized:
+    """Step 4 under ZeRO: one :class:`~dtlab.zero.FullyShardedDataParallel` per
+    module, sharded over dp (or HSDP's shard groups), casting to the compute dtype
+    at each all-gather while its shards stay the fp32 masters."""
+    from dtlab.zero import FullyShardedDataParallel
+
+    policy = amp.policy(config.precision)
+    cdtype = policy.compute_dtype if policy.has_master_copy else None
+    shard, replicate = replica_axis(topo), None
+    if config.zero_shard_size is not None:  # HSDP: shard in groups, replicate
+        from dtlab.zero import hsdp_groups
+
+        grid = hsdp_groups(config.zero_shard_size, topo.layout.groups(shard.name))
+        shard, replicate = grid.shard, grid.replicate
+    tied_across_stages = topo.layout.pp > 1 and config.model.tied_head
+    wrapped = [
+        FullyShardedDataParallel(
+            module,
+            cdtype,
+            shard,
+            stage=config.zero_stage,
+            units=_zero_units(module, tied_across_stages),
+            offload=config.offload,
+            replicate_group=replicate,
         )
-    # 5. precision: fp32 masters and the loss scaler. ZeRO's shards already are
-    # fp32 masters, so its optimizer runs the fp32 policy with the scaler
-    params = [p for w in wrapped for p in w.parameters()]
+        for module in modules
+    ]
+    parts = Parallelized(
+        config, topo, device, policy, config.zero_stage, modules, wrapped
+    )
+    parts.shard_group = shard
+    parts.sync = Sharded(wrapped, after=[lambda: _sum_tied_shards(parts)])
+    return parts
+
+
+def apply_pipeline(parts: Parallelized) -> None:
+    """The executor of step 2's stages, running the wrapped stages in the config's
+    schedule; under DDP it also finishes the synchronization (the tied embedding,
+    then one flat all-reduce over dp)."""
+    from dtlab.pipeline import Pipeline
+
+    config, topo = parts.config, parts.topo
+    parts.pipe = Pipeline(
+        config.model,
+        topo,
+        config.schedule,
+        microbatches=config.resolve_microbatches(topo.layout),
+        chunks=config.chunks,
+        seed=config.seed,
+        stages=parts.wrapped,
+        loss_fn=parts.modules[-1].loss,  # StageModule.loss or vocab-parallel CE
+        act_dtype=parts.policy.compute_dtype,
+        seq_split=topo.layout.tp if config.sequence_parallel else 1,
+    )
+    if parts.zero_stage is None:
+        parts.sync = Replicated(parts.modules, after=[parts.pipe.sync_gradients])
+
+
+def apply_precision(parts: Parallelized) -> None:
+    """Step 5: the optimizer with fp32 masters and the loss scaler. ZeRO's shards
+    already are fp32 masters, so its optimizer runs the fp32 policy with the
+    scaler."""
+    config, policy = parts.config, parts.policy
+    params = [p for w in parts.wrapped for p in w.parameters()]
     parts.optimizer = amp.MixedPrecisionOptimizer(
         params,
         torch.optim.AdamW,
-        "fp32" if stage is not None else policy,
+        "fp32" if parts.zero_stage is not None else policy,
         scaler=policy.scaler(),
         groups=None,
         grad_clip=config.grad_clip,
@@ -419,7 +353,6 @@ def parallelize(config, topo: Topology, device: torch.device) -> Parallelized:
         weight_decay=config.weight_decay,
         eps=1e-8,
     )
-    return parts
 
 
 def replica_axis(topo: Topology):
@@ -445,15 +378,21 @@ def reduce_expert_gradients(parts: Parallelized) -> None:
         return
     edp, n = parts.topo.axis("edp"), replica_axis(parts.topo).size
     grads = [p.grad for p in experts if p.grad is not None]
-    if edp.size > 1 and grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, group=edp, tag="ep/expert-grads")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-    for g in grads:
-        g.div_(n)
+    all_reduce_flat(grads, edp, tag="ep/expert-grads", divide_by=n)
+
+
+def _sum_tied_shards(parts: Parallelized) -> None:
+    """A tied embedding across pipeline stages under ZeRO: the first stage's
+    embedding unit and the last stage's head unit hold matching local shards;
+    their gradients are summed over the two ranks."""
+    tied = parts.pipe.axes["tied"] if parts.pipe is not None else None
+    if not parts.config.model.tied_head or tied is None:
+        return
+    for wrapper in parts.wrapped:
+        for shard in wrapper.local_shards():  # the same piece on either end
+            grad = shard.tensor.grad
+            if shard.name in ("wte.weight", "head.weight") and grad is not None:
+                comm.all_reduce(grad, group=tied, tag="tied-embedding")
 
 
 def _blocks(module) -> list[nn.Module]:

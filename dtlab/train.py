@@ -47,7 +47,6 @@ the same losses, dropout on or off.
 
 from __future__ import annotations
 
-import contextlib
 from contextlib import nullcontext
 
 import torch
@@ -62,7 +61,6 @@ from dtlab.model import SyntheticTokens, param_generator, shard_batch
 from dtlab.parallelize import (
     Parallelized,
     parallelize,
-    reduce_expert_gradients,
     replica_axis,
 )
 from dtlab.tensor_parallel import TPRandom
@@ -79,8 +77,6 @@ __all__ = [
     "SCHEDULES",
     "CHECKPOINTING",
 ]
-
-PIPELINE_SCHEDULES = SCHEDULES  # the older name of dtlab.events.SCHEDULES
 
 
 def default_device() -> torch.device:
@@ -193,11 +189,11 @@ class Trainer:
             # without a pipeline the last microbatch's backward synchronizes (and
             # overlaps doing so); a pipeline synchronizes after its last flush
             quiet = parts.pipe is not None or m < k - 1
-            with self._accumulating() if quiet else nullcontext():
+            with parts.sync.no_sync() if quiet else nullcontext():
                 loss, held = self._forward_backward(xm, ym, k, m, counter, rec)
             losses.append(loss)
             peak = max(peak, held)
-        self._finish_gradient_synchronization()
+        parts.sync.finish_gradient_synchronization()
         with rec.span(Span.OPT):
             stepped = parts.optimizer.step()
         local = self._local_loss(losses)
@@ -223,47 +219,10 @@ class Trainer:
             _, loss = parts.model(x, y)
         scaled = scaler.scale(loss / k if k > 1 else loss)
         # DDP records its own "B" span (with its bucket timings)
-        ddp = parts.zero_stage is None
-        with nullcontext() if ddp else rec.span(Span.B, microbatch=m):
+        own = parts.sync.records_backward
+        with nullcontext() if own else rec.span(Span.B, microbatch=m):
             scaled.backward()
         return float(loss.detach()), 0
-
-    def _accumulating(self):
-        """Backward passes inside add up without communicating, where the
-        gradients are held in full (DDP and ZeRO 0-1: ``no_sync``); ZeRO 2-3
-        reduce-scatter every backward. A pipeline under DDP holds bare stages and
-        all-reduces once after its last flush anyway."""
-        stack = contextlib.ExitStack()
-        if self.parts.accumulates_locally:
-            for w in self.parts.wrapped:
-                if hasattr(w, "no_sync"):
-                    stack.enter_context(w.no_sync())
-        return stack
-
-    def _finish_gradient_synchronization(self) -> None:
-        parts = self.parts
-        if parts.pipe is None:
-            parts.model.finish_gradient_synchronization()
-            reduce_expert_gradients(parts)  # ep > 1: over the ranks holding each
-        elif parts.zero_stage is None:
-            parts.pipe.sync_gradients()  # tied embedding, then one all-reduce over dp
-        else:
-            for w in parts.wrapped:
-                w.reduce_gradients()  # ZeRO 0-1: once per step, unit by unit
-            self._sum_tied_shards()  # ZeRO averaged over dp, unit by unit
-
-    def _sum_tied_shards(self) -> None:
-        """A tied embedding across pipeline stages under ZeRO: the first stage's
-        embedding unit and the last stage's head unit hold matching local shards;
-        their gradients are summed over the two ranks."""
-        tied = self.parts.pipe.axes["tied"]
-        if not self.config.model.tied_head or tied is None:
-            return
-        for wrapper in self.parts.wrapped:
-            for shard in wrapper.local_shards():  # the same piece on either end
-                grad = shard.tensor.grad
-                if shard.name in ("wte.weight", "head.weight") and grad is not None:
-                    comm.all_reduce(grad, group=tied, tag="tied-embedding")
 
     def _local_loss(self, losses) -> float:
         """This rank's mean loss over its microbatches; with a pipeline it lives
@@ -316,29 +275,7 @@ class Trainer:
             "time_s": seconds,
             "tokens_per_s": tokens_step / seconds if seconds > 0 else float("inf"),
             "coords": dict(self.topo.coords),
-            **self._ddp_extras(),
-        }
-
-    def _ddp_extras(self) -> dict:
-        """Plain DDP's bucket timings and a digest of the replica (identical on
-        every rank iff the replicas are)."""
-        model = self.parts.model
-        sync = getattr(model, "last_sync", None)
-        if sync is None:
-            return {}
-        with torch.no_grad():
-            digest = sum(
-                float(p.double().sum()) * (i + 1)
-                for i, p in enumerate(model.module.parameters())
-            )
-        return {
-            "buckets": sync.get("buckets", 0),
-            "wire_bytes": sync.get("wire_bytes", 0.0),
-            "backward_s": sync.get("backward_s", 0.0),
-            "comm_s": sync.get("comm_s", 0.0),
-            "exposed_comm_s": sync.get("exposed_s", 0.0),
-            "overlap": sync.get("overlap", 1.0),
-            "replica_digest": digest,
+            **self.parts.sync.stats(),  # DDP: its bucket timings
         }
 
     # ---- parity and resume -----------------------------------------------------------

@@ -53,9 +53,6 @@ from dtlab.context_parallel.ring import (
     ring_schedule,
 )
 from dtlab.context_parallel.sharding import (
-    VARIANTS,
-    cp_index,
-    cp_size,
     local_positions,
     sequence_chunks,
     shard_sequence,
@@ -68,9 +65,6 @@ from dtlab.context_parallel.ulysses import (
 
 __all__ = [
     # sharding
-    "VARIANTS",
-    "cp_size",
-    "cp_index",
     "sequence_chunks",
     "local_positions",
     "shard_sequence",

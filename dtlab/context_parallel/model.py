@@ -24,14 +24,10 @@ from torch import nn
 from dtlab import comm
 from dtlab.checks import one_of
 from dtlab.context_parallel.ring import ring_attention
-from dtlab.context_parallel.sharding import (
-    VARIANTS,
-    cp_index,
-    cp_size,
-    local_positions,
-    shard_sequence,
-)
+from dtlab.context_parallel.sharding import local_positions, shard_sequence
 from dtlab.context_parallel.ulysses import ulysses_attention
+from dtlab.events import CP_VARIANTS
+from dtlab.gradsync import all_reduce_flat
 from dtlab.model import GPT, CausalSelfAttention
 
 __all__ = [
@@ -63,7 +59,7 @@ class ContextParallelAttention(CausalSelfAttention):
         self.head_dim = attn.head_dim
         self.q, self.k, self.v, self.proj = attn.q, attn.k, attn.v, attn.proj
         self.attn_drop, self.resid_drop = attn.attn_drop, attn.resid_drop
-        self.variant = one_of("context-parallel variant", variant, VARIANTS)
+        self.variant = one_of("context-parallel variant", variant, CP_VARIANTS)
         if self.variant == "ring" and self.attn_drop.p > 0:
             raise ValueError(
                 f"ring attention has no attention dropout (dropout="
@@ -84,17 +80,8 @@ def all_reduce_gradients(module: nn.Module, group, *, tag: str = "cp/grads") -> 
     """Average every gradient of ``module`` over ``group`` in one all-reduce of one
     flat buffer (the replicated weights of context parallelism; dp's sum over the
     same ranks would be the same bytes)."""
-    n = cp_size(group)
     grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if n == 1 or not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group=group, tag=tag)
-    flat /= n
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_flat(grads, group, tag=tag, divide_by=comm.group_size(group))
 
 
 def apply_context_parallel(model: GPT, group, variant: str = "ring") -> GPT:
@@ -104,8 +91,8 @@ def apply_context_parallel(model: GPT, group, variant: str = "ring") -> GPT:
     positions of this rank's ``T/cp`` tokens. The model then takes this rank's
     tokens (:func:`~dtlab.context_parallel.shard_sequence`) and returns the mean
     loss over them; the gradients are averaged over cp (with dp, over dp·cp)."""
-    variant = one_of("context-parallel variant", variant, VARIANTS)
-    cp, index = cp_size(group), cp_index(group)
+    variant = one_of("context-parallel variant", variant, CP_VARIANTS)
+    cp, index = comm.group_size(group), comm.group_rank(group)
     if variant == "ulysses" and model.config.n_heads % cp:
         raise ValueError(
             f"Ulysses splits the heads over cp={cp}: n_heads={model.config.n_heads} "
@@ -139,8 +126,8 @@ class ContextParallelGPT(nn.Module):
 
     def __init__(self, model: GPT, group, variant: str = "ring") -> None:
         super().__init__()
-        self.variant = one_of("context-parallel variant", variant, VARIANTS)
-        self.group, self.cp = group, cp_size(group)
+        self.variant = one_of("context-parallel variant", variant, CP_VARIANTS)
+        self.group, self.cp = group, comm.group_size(group)
         cfg = model.config
         if self.variant == "ulysses" and cfg.n_heads % self.cp:
             raise ValueError(
@@ -164,7 +151,7 @@ class ContextParallelGPT(nn.Module):
 
     def positions(self, seq_len: int) -> torch.Tensor:
         """The global positions of this rank's tokens of a ``seq_len`` sequence."""
-        index = cp_index(self.group)
+        index = comm.group_rank(self.group)
         return local_positions(seq_len, self.cp, index, self.load_balanced)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from dtlab import comm
-from dtlab.context_parallel.sharding import cp_index, cp_size, local_positions
+from dtlab.context_parallel.sharding import local_positions
 
 __all__ = [
     "block_attention",
@@ -130,7 +130,7 @@ class _Hop:
     previous rank's into a fresh buffer; :meth:`wait` returns what arrived."""
 
     def __init__(self, tensor, group, tag):
-        cp, i = cp_size(group), cp_index(group)
+        cp, i = comm.group_size(group), comm.group_rank(group)
         self.incoming = torch.empty_like(tensor)
         self.works = [
             comm.isend(tensor, (i + 1) % cp, group, tag=tag),
@@ -158,7 +158,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, tag):
-        cp, index = cp_size(group), cp_index(group)
+        cp, index = comm.group_size(group), comm.group_rank(group)
         T = q.shape[-2]
         c, mask = T // 2, _own_mask(T, cp, index, q.device)
         kv = torch.stack([k, v])  # (2, B, nh, T, hs): one message per hop
@@ -188,7 +188,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, tag = ctx.group, f"{ctx.tag}:bwd"
-        cp, index = cp_size(group), cp_index(group)
+        cp, index = comm.group_size(group), comm.group_rank(group)
         T = q.shape[-2]
         c, mask = T // 2, _own_mask(T, cp, index, q.device)
         dout = dout.contiguous()

@@ -30,30 +30,13 @@ from dtlab.checks import one_of
 from dtlab.events import CP_VARIANTS
 
 __all__ = [
-    "VARIANTS",
-    "cp_size",
-    "cp_index",
     "sequence_chunks",
     "local_positions",
     "shard_sequence",
 ]
 
-VARIANTS = CP_VARIANTS  # dtlab.events: ring, ulysses
 """How attention sees the whole sequence: K/V blocks passed round a ring (Liu et al.
 2023), or an all-to-all from sequence shards to head shards (DeepSpeed-Ulysses)."""
-
-
-def cp_size(group) -> int:
-    """Ranks in the cp group (an Axis knows it without asking torch: a one-rank
-    axis has no process group at all)."""
-    size = getattr(group, "size", None)
-    return size if isinstance(size, int) else comm.group_size(group)
-
-
-def cp_index(group) -> int:
-    """This rank's place in the cp group."""
-    index = getattr(group, "index", None)
-    return index if isinstance(index, int) else comm.group_rank(group)
 
 
 def sequence_chunks(cp: int, index: int, load_balanced: bool) -> tuple[int, ...]:
@@ -91,7 +74,7 @@ def shard_sequence(
     """This rank's tokens of ``x`` along ``dim`` (token ids ``(B, T)``, targets, or
     activations ``(B, T, C)``): the layout ``variant`` attends over. No
     communication: every rank starts from the whole batch."""
-    variant = one_of("context-parallel variant", variant, VARIANTS)
-    cp, index = cp_size(group), cp_index(group)
+    variant = one_of("context-parallel variant", variant, CP_VARIANTS)
+    cp, index = comm.group_size(group), comm.group_rank(group)
     pos = local_positions(x.shape[dim], cp, index, variant == "ring")
     return x.index_select(dim, pos.to(x.device))

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from dtlab import comm
-from dtlab.context_parallel.sharding import cp_size
 
 __all__ = ["all_to_all_along", "SeqAllToAll", "ulysses_attention"]
 
@@ -32,7 +31,7 @@ __all__ = ["all_to_all_along", "SeqAllToAll", "ulysses_attention"]
 def all_to_all_along(x, scatter_dim: int, gather_dim: int, group, tag: str):
     """Cut ``x`` into cp pieces along ``scatter_dim``, send piece j to rank j, and
     concatenate what arrives along ``gather_dim`` in rank order (no autograd)."""
-    cp = cp_size(group)
+    cp = comm.group_size(group)
     send = torch.stack(x.chunk(cp, scatter_dim))  # (cp, ...): piece j for rank j
     recv = torch.empty_like(send)
     comm.all_to_all_single(recv, send, group=group, tag=tag)
@@ -61,7 +60,7 @@ def ulysses_attention(q, k, v, group, local_attention, *, tag: str = "attn"):
     contiguous layout; the result is the same shape. ``local_attention`` maps
     ``(B, nh/cp, T, hs)`` each to ``(B, nh/cp, T, hs)`` (dtlab.model's
     ``CausalSelfAttention.core``, the way DeepSpeed wraps any local attention)."""
-    cp, nh = cp_size(group), q.shape[1]
+    cp, nh = comm.group_size(group), q.shape[1]
     if nh % cp:
         raise ValueError(
             f"Ulysses gives each of the cp={cp} ranks n_heads / cp heads: "

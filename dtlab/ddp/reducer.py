@@ -37,7 +37,7 @@ from dtlab import comm, telemetry
 from dtlab.ddp.buckets import Bucket, broadcast_flat, make_buckets
 from dtlab.ddp.timing import emit_backward_span, emit_sync, sync_summary
 from dtlab.ddp.unused import globally_used, reachable_params
-from dtlab.estimate import wire_bytes
+from dtlab.events import wire_bytes
 
 __all__ = ["DistributedDataParallel"]
 

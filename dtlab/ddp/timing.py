@@ -6,8 +6,7 @@ waiting for the last buckets)."""
 from __future__ import annotations
 
 from dtlab import telemetry
-from dtlab.estimate import wire_bytes
-from dtlab.events import Kind, Span
+from dtlab.events import Kind, Span, wire_bytes
 
 __all__ = ["sync_summary", "emit_backward_span", "emit_sync"]
 

@@ -59,9 +59,8 @@ def steps_to_run(config) -> int:
     step's updated shards at the start of the next step's forward, so the first
     step lacks that gather: they run two (dtlab.measure measures the same steady
     state)."""
-    from dtlab.events import zero_stage
 
-    return 2 if zero_stage(config.strategy) in (1, 2) else 1
+    return 2 if config.zero_stage in (1, 2) else 1
 
 
 def measure_step(config, steps: int | None = None) -> dict:

@@ -32,7 +32,7 @@ from dtlab import estimate, measure
 from dtlab.dryrun.child import SCALAR_TAGS
 from dtlab.estimate.layouts import value_bytes
 from dtlab.estimate.pipeline import pipeline_in_flight
-from dtlab.events import schedule_name, zero_stage
+from dtlab.events import schedule_name
 
 __all__ = ["compare_memory", "compare_traffic", "estimate_kwargs", "STEP_COUNTER"]
 
@@ -59,7 +59,7 @@ def estimate_kwargs(config, layout) -> dict:
     k, m = config.grad_accum_steps, config.resolve_microbatches(layout)
     rows = config.global_batch_size // (layout.dp * k * m)
     return {
-        "zero_stage": zero_stage(config.strategy) or 0,
+        "zero_stage": config.zero_stage or 0,
         "precision": config.precision,
         "micro_batch_size": rows,
         "per_step": k * m,

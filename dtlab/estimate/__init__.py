@@ -49,7 +49,6 @@ submodule defines X.
 from __future__ import annotations
 
 from dtlab.estimate.activations import (
-    RECOMPUTE,
     activation_bytes,
     activation_bytes_per_layer,
     dropout_mask_bytes,
@@ -67,7 +66,6 @@ from dtlab.estimate.collectives import (
     wire_bytes,
 )
 from dtlab.estimate.context_parallel import (
-    CP_VARIANTS,
     cp_activation_bytes_per_layer,
     cp_bytes_per_layer,
     cp_bytes_per_step,
@@ -107,7 +105,6 @@ from dtlab.estimate.moe import (
     ep_traffic_from_counts,
 )
 from dtlab.estimate.pipeline import (
-    PIPELINE_SCHEDULES,
     pipeline_bubble_fraction,
     pipeline_bubble_ratio,
     pipeline_in_flight,
@@ -125,7 +122,6 @@ from dtlab.estimate.serving import (
 from dtlab.estimate.states import (
     GB,
     OPTIMIZERS,
-    PRECISIONS,
     BytesPerParam,
     bytes_per_param,
     largest_model,
@@ -166,8 +162,10 @@ from dtlab.estimate.zero import (
     zero_states_conventions,
     zero_states_per_rank,
 )
+from dtlab.events import STATE_PRECISIONS  # the storage regimes the states count
 
 __all__ = [
+    "STATE_PRECISIONS",
     "BytesPerParam",
     "bytes_per_param",
     "zero_memory_per_device",
@@ -219,10 +217,7 @@ __all__ = [
     "zero_comm_per_step",
     "hsdp_states_per_rank",
     "hsdp_comm_per_step",
-    "PRECISIONS",
     "OPTIMIZERS",
-    "RECOMPUTE",
-    "PIPELINE_SCHEDULES",
     "LINKS",
     "MOE_MODELS",
     "Parallelism",
@@ -241,7 +236,6 @@ __all__ = [
     "recompute_time_overhead",
     "BACKWARD_RATIO",
     "plan",
-    "CP_VARIANTS",
     "cp_bytes_per_layer",
     "cp_bytes_per_step",
     "cp_activation_bytes_per_layer",

@@ -13,9 +13,9 @@ measured peaks.
 from __future__ import annotations
 
 from dtlab.checks import one_of
+from dtlab.events import CHECKPOINTING
 
 # ---- activations ---------------------------------------------------------------------
-RECOMPUTE = ("none", "selective", "full")
 
 
 def activation_bytes_per_layer(
@@ -77,7 +77,7 @@ def activation_bytes_per_layer(
             raise ValueError(f"{name} must be positive, got {value}")
     if bytes_per_value <= 0:
         raise ValueError(f"bytes_per_value must be positive, got {bytes_per_value}")
-    recompute = one_of("recompute mode", recompute, RECOMPUTE)
+    recompute = one_of("recompute mode", recompute, CHECKPOINTING)
     s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
     sbh = s * b * h
     paper = (d_ff in (None, 4 * h)) and not n_kv_heads and not gated_mlp and dropout
@@ -161,7 +161,7 @@ def dtlab_saved_bytes_per_layer(
     ):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    recompute = one_of("recompute mode", recompute, RECOMPUTE)
+    recompute = one_of("recompute mode", recompute, CHECKPOINTING)
     if cp > 1:
         if tp > 1 or recompute != "none" or dropout:
             raise ValueError(

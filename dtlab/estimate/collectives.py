@@ -4,7 +4,7 @@ What each rank sends in a ring collective, nccl-tests' bus bandwidth, the
 latency-bandwidth time of one op, and a least-squares fit of α and β.
 
 Taught in chapter 01 (collectives); every later chapter counts its traffic with
-:func:`wire_bytes`.
+:func:`wire_bytes` (:func:`dtlab.events.wire_bytes`, the one definition).
 """
 
 from __future__ import annotations
@@ -12,56 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# ---- collectives: bytes on the wire --------------------------------------------------
-COLLECTIVES = (
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "send",
-    "recv",
-    "barrier",
-)
-
-
-def _check_collective(op: str, payload_bytes: float, n: int) -> None:
-    if op not in COLLECTIVES:
-        raise ValueError(f"unknown collective {op!r}: expected one of {COLLECTIVES}")
-    if payload_bytes < 0:
-        raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(
-            f"n (ranks in the group) must be a positive integer, got {n!r}"
-        )
-
-
-def wire_bytes(op: str, payload_bytes: float, n: int) -> float:
-    """Bytes that *this* rank sends for one collective over ``n`` ranks, under the ring
-    algorithm. ``payload_bytes`` S is the full tensor: the all-reduce buffer, the
-    reduce-scatter *input*, the all-gather *output*.
-
-    - all_reduce: ``2(N-1)/N · S`` (a reduce-scatter, then an all-gather)
-    - reduce_scatter, all_gather, all_to_all: ``(N-1)/N · S``
-    - broadcast, reduce: ``S`` (pipelined along a chain; the last rank sends nothing,
-      this is the busiest rank's count)
-    - send: ``S``; recv: ``0`` (the sender counts it); barrier: ``0``
-
-    Within one group (``n == 1``) nothing crosses ranks, so every op gives 0 except a
-    point-to-point send.
-    """
-    _check_collective(op, payload_bytes, n)
-    S = payload_bytes
-    if op == "send":
-        return float(S)
-    if op in ("recv", "barrier") or n == 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * S
-    if op in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (n - 1) / n * S
-    return float(S)  # broadcast, reduce
+# bytes on the wire: defined in dtlab.events, beside the comm events that record
+# them (dtlab.comm needs the formula without importing the estimates); the
+# estimates' own names for them
+from dtlab.events import COLLECTIVES, wire_bytes  # noqa: F401
+from dtlab.events import check_collective as _check_collective
 
 
 def latency_steps(op: str, n: int) -> int:

@@ -24,15 +24,13 @@ from dtlab.checks import one_of, positive_int
 from dtlab.estimate.activations import activation_bytes_per_layer
 from dtlab.estimate.collectives import wire_bytes
 from dtlab.estimate.models import model_spec
+from dtlab.events import CP_VARIANTS
 
 __all__ = [
-    "CP_VARIANTS",
     "cp_bytes_per_layer",
     "cp_bytes_per_step",
     "cp_activation_bytes_per_layer",
 ]
-
-CP_VARIANTS = ("ring", "ulysses")
 
 
 def _kv_width(d_model: int, n_heads: int | None, n_kv_heads: int | None) -> float:

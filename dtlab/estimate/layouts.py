@@ -17,7 +17,6 @@ import math
 
 from dtlab.checks import one_of, positive_int
 from dtlab.estimate.activations import (
-    RECOMPUTE,
     activation_bytes_per_layer,
     dtlab_saved_bytes_outside_layers,
     dtlab_saved_bytes_per_layer,
@@ -27,7 +26,7 @@ from dtlab.estimate.models import layer_params, model_spec
 from dtlab.estimate.pipeline import pipeline_in_flight
 from dtlab.estimate.states import zero_memory_per_device
 from dtlab.estimate.zero import zero_states_per_rank
-from dtlab.events import schedule_name, state_precision
+from dtlab.events import CHECKPOINTING, schedule_name, state_precision
 from dtlab.topology import Layout
 
 # ---- layouts: memory and traffic of a dp x tp x pp (x cp x ep) job (chapter 09) ------
@@ -343,7 +342,7 @@ def layout_memory(
         raise ValueError(f"states must be 'dtlab' or 'paper', got {states!r}")
     if offload and states == "paper":
         raise ValueError("offload is modelled with states='dtlab' only")
-    checkpointing = one_of("checkpointing", checkpointing, RECOMPUTE)
+    checkpointing = one_of("checkpointing", checkpointing, CHECKPOINTING)
     activations = one_of("activations", activations, ("paper", "dtlab"))
     if par.pp > 1:
         schedule_name(schedule)

@@ -12,7 +12,6 @@ from dtlab.checks import positive_int
 from dtlab.events import SCHEDULES, schedule_name
 
 # ---- pipeline parallelism: bubble, step time, activations in flight (chapter 05) ----
-PIPELINE_SCHEDULES = SCHEDULES  # dtlab.events' names
 
 
 def _check_pipeline(p: int, m: int, v: int = 1) -> None:
@@ -93,4 +92,4 @@ def pipeline_in_flight(
         return min(2 * (p - stage - 1) + (v - 1) * p + 1, v * m)
     if key == "zb_h1":
         return min(p, m)
-    raise ValueError(f"unknown schedule {schedule!r}: expected {PIPELINE_SCHEDULES}")
+    raise ValueError(f"unknown schedule {schedule!r}: expected {SCHEDULES}")

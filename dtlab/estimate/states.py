@@ -14,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtlab.checks import one_of, positive_int
-from dtlab.events import STATE_PRECISIONS, state_precision
+from dtlab.events import state_precision
 
 GB = 1e9  # the ZeRO paper's gigabyte
 
-PRECISIONS = STATE_PRECISIONS  # dtlab.events: fp32, mixed, pure_bf16
 OPTIMIZERS = ("adam", "sgd_momentum", "sgd")
 _OPTIMIZER_ALIASES = {"adamw": "adam", "sgd-momentum": "sgd_momentum"}
 

@@ -14,7 +14,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from dtlab.checks import one_of, positive_int
-from dtlab.estimate.activations import RECOMPUTE
 from dtlab.estimate.collectives import collective_time
 from dtlab.estimate.hardware import GPU
 from dtlab.estimate.layouts import (
@@ -31,7 +30,7 @@ from dtlab.estimate.techniques import offload_bytes_per_step, recompute_time_ove
 from dtlab.estimate.tensor_parallel import LINKS, Link, tp_layer_flops, tp_step_time
 from dtlab.estimate.training_time import step_utilisation
 from dtlab.estimate.zero import zero_comm_per_step
-from dtlab.events import schedule_name
+from dtlab.events import CHECKPOINTING, schedule_name
 
 
 def gpu_link(gpu: GPU) -> Link:
@@ -172,7 +171,7 @@ def layout_step_time(
     else:
         block = matmul_params(spec)["block"]
         layer_flops = (6 * b * s * block + 12 * b * s * s * h) / (t * par.cp)
-    checkpointing = one_of("checkpointing", checkpointing, RECOMPUTE)
+    checkpointing = one_of("checkpointing", checkpointing, CHECKPOINTING)
     # ring attention keeps no score matrix whatever the mode: selective
     # recomputation has nothing left to drop, and costs nothing more
     mode = "none" if (checkpointing == "selective" and par.cp > 1) else checkpointing

@@ -9,7 +9,7 @@ Taught in chapter 08 (memory techniques).
 from __future__ import annotations
 
 from dtlab.checks import one_of
-from dtlab.estimate.activations import RECOMPUTE
+from dtlab.events import CHECKPOINTING
 
 
 # ---- memory techniques (chapter 08): the price of recomputation and offload --------
@@ -34,7 +34,7 @@ def recompute_overhead(
     more time than this share. The time a step pays (the planner's price, checked
     against Korthikanti's Table 4) is :func:`recompute_time_overhead`'s.
     """
-    mode = one_of("recompute mode", mode, RECOMPUTE)
+    mode = one_of("recompute mode", mode, CHECKPOINTING)
     if seq_len <= 0 or d_model <= 0:
         raise ValueError(f"seq_len and d_model must be positive: {seq_len}, {d_model}")
     s, h = seq_len, d_model
@@ -112,7 +112,7 @@ def recompute_time_overhead(
       +6 % (Korthikanti's Table 4: +7 %).
 
     Returns ``{"step_s": t, "recompute_s", "overhead": recompute_s / t}``."""
-    mode = one_of("recompute mode", mode, RECOMPUTE)
+    mode = one_of("recompute mode", mode, CHECKPOINTING)
     if peak_flops <= 0 or not 0 < kernel_efficiency <= 1:
         raise ValueError("peak_flops must be positive, kernel_efficiency in (0, 1]")
     if backward_ratio <= 0:

@@ -28,8 +28,8 @@ achieved FLOP/s per GPU with :func:`model_flops_per_token`.
 from __future__ import annotations
 
 from dtlab.checks import one_of
-from dtlab.estimate.activations import RECOMPUTE
 from dtlab.estimate.models import matmul_params, model_spec
+from dtlab.events import CHECKPOINTING
 
 
 # ---- FLOPs ---------------------------------------------------------------------------
@@ -54,7 +54,7 @@ def hardware_flops(model, tokens: float, *, seq_len=None, recompute="none") -> f
     ``recompute="full"``; MFU is over :func:`training_flops`, HFU over this."""
     spec = model_spec(model)
     s = seq_len or spec.seq_len
-    mode = one_of("recompute mode", recompute, RECOMPUTE)
+    mode = one_of("recompute mode", recompute, CHECKPOINTING)
     scores = 4.0 * s * spec.d_model
     extra = {"none": 0.0, "selective": scores}[mode] if mode != "full" else (
         2.0 * matmul_params(spec)["block"] + scores

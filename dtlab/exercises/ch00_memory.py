@@ -33,7 +33,7 @@ def _close(a, b) -> bool:
 
 def _zero2_cases():
     """(what, Ψ, N, bytes of weight, gradient, optimizer state) to check."""
-    for precision in est.PRECISIONS:
+    for precision in est.STATE_PRECISIONS:
         for optimizer in est.OPTIMIZERS:
             b = est.bytes_per_param(precision, optimizer)
             for psi in SIZES:

@@ -40,7 +40,6 @@ import tempfile
 import torch
 
 from dtlab import amp
-from dtlab.events import zero_stage
 from dtlab.frameworks import deepspeed_on_gloo, require
 
 __all__ = [
@@ -83,7 +82,7 @@ def deepspeed_config(config, world_size: int) -> dict:
     (``torch_adam``: torch's own, as dtlab uses), ZeRO stage and offload,
     clipping, and bf16/fp16 with dtlab's loss-scaler settings."""
     _, micro = _plain_data_parallel(config, world_size, "deepspeed_config")
-    zero = {"stage": zero_stage(config.strategy) or 0}
+    zero = {"stage": config.zero_stage or 0}
     if config.offload:
         zero["offload_optimizer"] = {"device": "cpu"}  # ZeRO-Offload (Ren et al.)
     ds = {
@@ -184,7 +183,7 @@ def accelerate_config(
         "same_network": True,
         "main_training_function": "main",
     }
-    stage = zero_stage(config.strategy)
+    stage = config.zero_stage
     if stage is None:
         return out
     if zero_backend == "deepspeed":
@@ -263,7 +262,7 @@ def fsdp2_arguments(config, world_size: int, *, replicate: int = 1) -> dict:
     False keeps the gathered weights from forward to backward, ZeRO-2's memory),
     the ``MixedPrecisionPolicy`` fields and the offload policy, as plain values."""
     layout, _ = _plain_data_parallel(config, world_size, "fsdp2_arguments")
-    stage = zero_stage(config.strategy)
+    stage = config.zero_stage
     if stage is None or stage == 1:
         other = (
             "DistributedDataParallel" if stage is None else "ZeroRedundancyOptimizer"

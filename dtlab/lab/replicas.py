@@ -42,7 +42,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from dtlab.events import Kind, zero_stage
+from dtlab.events import Kind
 from dtlab.lab import engines, failures, processes
 from dtlab.lab.engine import replica
 from dtlab.lab.engine.replica import holders
@@ -62,7 +62,7 @@ def check(config, world_size: int) -> None:
             f"replica of every rank), got {layout}: give the layout a "
             "data-parallel degree of 2 or more"
         )
-    if zero_stage(config.strategy) is not None and config.zero_shard_size is None:
+    if config.zero_stage is not None and config.zero_shard_size is None:
         raise ValueError(
             f"survive=True copies a lost rank's state from a replica, but "
             f"strategy={config.strategy!r} shards it (no other rank holds it): use "

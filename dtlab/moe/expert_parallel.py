@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from dtlab import comm
+from dtlab.gradsync import all_reduce_flat
 from dtlab.moe.layer import MoE
 
 __all__ = [
@@ -47,16 +48,6 @@ __all__ = [
     "expert_parallel_gpt",
     "average_gradients",
 ]
-
-
-def _size(group) -> int:
-    size = getattr(group, "size", None)  # an Axis knows, even with one rank
-    return size if isinstance(size, int) else comm.group_size(group)
-
-
-def _index(group) -> int:
-    index = getattr(group, "index", None)
-    return index if isinstance(index, int) else comm.group_rank(group)
 
 
 def _exchange(x, send_rows, recv_rows, group, tag):
@@ -87,7 +78,7 @@ class ExpertParallelDispatch:
     ``r·E/ep .. (r+1)·E/ep - 1``."""
 
     def __init__(self, group, n_experts: int) -> None:
-        ep = _size(group)
+        ep = comm.group_size(group)
         if n_experts % ep:
             raise ValueError(
                 f"expert parallelism gives each of ep={ep} ranks n_experts / ep "
@@ -95,10 +86,11 @@ class ExpertParallelDispatch:
             )
         self.group, self.ep, self.n_experts = group, ep, n_experts
         per = n_experts // ep
-        self.local = list(range(_index(group) * per, (_index(group) + 1) * per))
+        first = comm.group_rank(group) * per
+        self.local = list(range(first, first + per))
 
     def __call__(self, moe: MoE, rows: torch.Tensor, counts: torch.Tensor):
-        ep, E, me = self.ep, self.n_experts, _index(self.group)
+        ep, E, me = self.ep, self.n_experts, comm.group_rank(self.group)
         per = E // ep
         # 1. the (ep, E) matrix: row s = what rank s sends to each expert
         matrix = counts.new_empty(ep * E)
@@ -131,7 +123,7 @@ def expert_parallel(moe: MoE, group) -> MoE:
     marked ``param.expert_parallel = True``. ep = 1 leaves it as it is."""
     if not isinstance(moe, MoE):
         raise ValueError(f"expert_parallel needs a dtlab.moe.MoE, got {type(moe)}")
-    if _size(group) == 1:
+    if comm.group_size(group) == 1:
         return moe
     dispatch = ExpertParallelDispatch(group, moe.n_experts)
     for key in list(moe.experts):
@@ -164,7 +156,7 @@ def average_gradients(model: nn.Module, group, *, tag: str = "ep/grads") -> None
     losses. The replicated parameters' gradients are averaged over ep (one
     all-reduce of one flat buffer); an expert's already sums every rank's tokens,
     so it is divided by ep."""
-    ep = _size(group)
+    ep = comm.group_size(group)
     if ep == 1:
         return
     params = [p for p in model.parameters() if p.grad is not None]
@@ -172,12 +164,4 @@ def average_gradients(model: nn.Module, group, *, tag: str = "ep/grads") -> None
     for p in params:
         if getattr(p, "expert_parallel", False):
             p.grad /= ep
-    if not replicated:
-        return
-    flat = torch.cat([g.reshape(-1) for g in replicated])
-    comm.all_reduce(flat, group=group, tag=tag)
-    flat /= ep
-    offset = 0
-    for g in replicated:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_flat(replicated, group, tag=tag, divide_by=ep)

@@ -22,6 +22,7 @@ from torch import nn
 
 from dtlab import comm, telemetry
 from dtlab.events import Span
+from dtlab.gradsync import all_reduce_flat
 from dtlab.model import GPTConfig, SyntheticTokens, shard_batch
 from dtlab.pipeline.schedules import Schedule, make_schedule
 from dtlab.pipeline.simulator import validate
@@ -284,11 +285,7 @@ class Pipeline:
         dp = self.topo.axis("dp")
         if data_parallel and dp.size > 1:
             grads = [q.grad for q in self.parameters() if q.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, group=dp, tag="dp-grads")
-            flat /= dp.size
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
+            all_reduce_flat(grads, dp, tag="dp-grads", divide_by=dp.size)
 
 
 # ---- training loop -------------------------------------------------------------------

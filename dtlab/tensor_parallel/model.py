@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dtlab import comm
+from dtlab.gradsync import all_reduce_flat
 from dtlab.model import GPT, GPTConfig
 from dtlab.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from dtlab.tensor_parallel.layers import (
@@ -225,12 +225,7 @@ class TensorParallelStage(nn.Module):
             for p in self.parameters()
             if getattr(p, "sequence_parallel", False) and p.grad is not None
         ]
-        if not grads or self.axis.size == 1:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, group=self.axis, tag="sp_grads")
-        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))
+        all_reduce_flat(grads, self.axis, tag="sp_grads")
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """The whole ``(B, T, V)`` logits (for tests and sampling, not training)."""

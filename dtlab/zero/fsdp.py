@@ -380,8 +380,12 @@ class FullyShardedDataParallel(ShardedState):
         """Reduce what backward left (units some of whose weights got no gradient),
         wait for every reduction, free what stage 3 still holds, and show the local
         shards in the module. Runs by itself at the end of backward; calling it
-        again is harmless."""
+        again is harmless. Called outside :meth:`no_sync` after backward passes
+        inside it, it reduces their sum now (:meth:`reduce_gradients`), as DDP's
+        does."""
         if not self._in_backward:
+            if self._unsynced and self.require_backward_grad_sync:
+                self.reduce_gradients()
             return
         for u in self._units:
             if not u.reduced and u.n_grads:

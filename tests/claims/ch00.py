@@ -22,7 +22,7 @@ assert bill["7B", "mixed"]["total"] > H100.memory_bytes
 assert all(
     bill[k, p]["total"] > H100.memory_bytes
     for k in ("70B", "405B")
-    for p in est.PRECISIONS
+    for p in est.STATE_PRECISIONS
 ), "70B and 405B are over 80 GB under every precision policy"
 assert 1.05e12 < 16 * m70.n_params < 1.15e12, "about 1.1 TB of model states for 70B"
 seven = est.memory_per_device("7B", recompute="selective")

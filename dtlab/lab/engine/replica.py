@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab import comm, telemetry
-from dtlab.events import Kind, zero_stage
+from dtlab.events import Kind
 from dtlab.lab.engine.training import engine_topology
 from dtlab.topology import Layout
 from dtlab.train import TrainConfig, Trainer, default_device
@@ -76,7 +76,7 @@ def holders(config: TrainConfig, layout: Layout, rank: int) -> list[int]:
       place in the other shard groups.
     - ZeRO over every replica: itself alone (its shard is nowhere else).
     """
-    if zero_stage(config.strategy) is None:
+    if config.zero_stage is None:
         return layout.group_of("edp", rank)
     if config.zero_shard_size is None:
         return [rank]

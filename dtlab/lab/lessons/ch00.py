@@ -52,8 +52,8 @@ def bill_figure(bill: dict, models, gpu: str = "H100-80GB") -> go.Figure:
     for col, key in enumerate(models, start=1):
         for cat in CATEGORIES:
             fig.add_bar(
-                x=list(est.PRECISIONS),
-                y=[bill[key, p][cat] / GB for p in est.PRECISIONS],
+                x=list(est.STATE_PRECISIONS),
+                y=[bill[key, p][cat] / GB for p in est.STATE_PRECISIONS],
                 name=cat,
                 marker_color=COLORS[cat],
                 legendgroup=cat,
@@ -127,7 +127,7 @@ class MemoryCalculator:
             description="d_model",
         )
         self.precision = W.Dropdown(
-            options=est.PRECISIONS, value="mixed", description="precision"
+            options=est.STATE_PRECISIONS, value="mixed", description="precision"
         )
         self.optimizer = W.Dropdown(
             options=est.OPTIMIZERS, value="adam", description="optimizer"
