@@ -17,7 +17,9 @@ from dtlab.events import (
     CP_VARIANTS,
     PRECISIONS,
     SCHEDULES,
+    SPLIT_BACKWARD,
     STRATEGIES,
+    V_SCHEDULES,
     zero_stage,
 )
 from dtlab.model import GPTConfig
@@ -42,8 +44,10 @@ class TrainConfig:
       together), ``grad_accum_steps`` (microbatches per rank and step; with pp > 1,
       pipeline flushes per step).
     - Pipeline (chapter 05, when ``pp > 1``): ``schedule`` (``gpipe``, ``1f1b``,
-      ``interleaved``, ``zb_h1``), ``microbatches`` per flush and dp rank (None: pp),
-      ``chunks`` (virtual stages per rank, interleaved only).
+      ``interleaved``, ``zb_h1``, and the V schedules ``zb_v`` and ``dualpipe_v``,
+      which hold two chunks per rank: chapter 12), ``microbatches`` per flush and
+      dp rank (None: pp; DualPipeV needs at least 2·pp), ``chunks`` (virtual stages
+      per rank, interleaved only).
     - Tensor parallelism (chapter 04): ``sequence_parallel`` (needs tp > 1).
     - Context parallelism (chapter 11, when the layout's ``cp > 1``):
       ``cp_variant``, ``"ring"`` or ``"ulysses"``. Expert parallelism (``ep > 1``)
@@ -187,7 +191,8 @@ class TrainConfig:
             n_heads=self.model.n_heads,
             microbatches=m if layout.pp > 1 else None,
             schedule=self.schedule if layout.pp > 1 else None,
-            chunks=self.chunks,
+            # a V schedule holds two stages per rank: layers split over 2·pp
+            chunks=2 if layout.pp > 1 and self.schedule in V_SCHEDULES else self.chunks,
         )
         per_step = layout.dp * self.grad_accum_steps
         if self.global_batch_size % per_step:
@@ -212,6 +217,11 @@ class TrainConfig:
                     f"(global_batch_size / (dp x grad_accum_steps)), which does not "
                     f"split into microbatches={m}: use a global_batch_size that is a "
                     f"multiple of {per_step * m}"
+                )
+            if self.schedule == "dualpipe_v" and m < 2 * layout.pp:
+                raise ValueError(
+                    f"dualpipe_v feeds microbatches from both ends of the V: it "
+                    f"needs microbatches >= 2·pp = {2 * layout.pp}, got {m}"
                 )
             if self.chunks > 1 and self.schedule != "interleaved":
                 raise ValueError(
@@ -261,12 +271,12 @@ def check_composition(config, layout) -> None:
     """Raise ``ValueError`` for a combination that cannot run, saying why and what
     to change (called by :meth:`TrainConfig.check`)."""
     zero = config.zero_stage is not None
-    if zero and layout.pp > 1 and config.schedule == "zb_h1":
+    if zero and layout.pp > 1 and config.schedule in SPLIT_BACKWARD:
         raise ValueError(
-            "schedule 'zb_h1' does not compose with ZeRO: it computes input and "
-            "weight gradients in two backward passes, while ZeRO reduce-scatters a "
-            "unit's gradient when the unit's backward ends; use strategy='ddp' with "
-            "zb_h1, or another schedule with ZeRO"
+            f"schedule {config.schedule!r} does not compose with ZeRO: it computes "
+            "input and weight gradients in two backward passes, while ZeRO "
+            "reduce-scatters a unit's gradient when the unit's backward ends; use "
+            f"strategy='ddp' with {config.schedule}, or 1f1b/interleaved with ZeRO"
         )
     if config.zero_shard_size is not None:
         replicas = layout.dp * layout.cp

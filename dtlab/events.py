@@ -32,6 +32,8 @@ __all__ = [
     "state_precision",
     "SCHEDULES",
     "schedule_name",
+    "V_SCHEDULES",
+    "SPLIT_BACKWARD",
     "CHECKPOINTING",
     "CP_VARIANTS",
     "MEMORY_CATEGORIES",
@@ -87,7 +89,7 @@ def state_precision(precision: str) -> str:
     return key
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_v", "dualpipe_v")
 """Pipeline schedules (chapter 05), spelled as configs and :mod:`dtlab.pipeline`
 spell them."""
 
@@ -96,7 +98,19 @@ _SCHEDULE_ALIASES = {
     "zbh1": "zb_h1",
     "interleaved-1f1b": "interleaved",
     "interleaved_1f1b": "interleaved",
+    "zb-v": "zb_v",
+    "zbv": "zb_v",
+    "dualpipev": "dualpipe_v",
+    "dualpipe-v": "dualpipe_v",
 }
+
+
+V_SCHEDULES = ("zb_v", "dualpipe_v")
+"""Schedules that hold two chunks per rank in a V: rank r runs stages r and
+2p-1-r, so the first and the last stage (and the loss) sit on rank 0."""
+
+SPLIT_BACKWARD = ("zb_h1", "zb_v", "dualpipe_v")
+"""Schedules whose backward splits into B (input gradient) and W (weights)."""
 
 
 def schedule_name(schedule: str) -> str:

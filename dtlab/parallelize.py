@@ -217,11 +217,13 @@ def apply_model_parallel(config, topo: Topology, device) -> list[nn.Module]:
             from dtlab.context_parallel import apply_context_parallel
 
             apply_context_parallel(modules[0], topo.axis("cp"), config.cp_variant)
-    else:
-        from dtlab.pipeline import build_stages
+    else:  # the stages as the schedule places them (interleaved, or a V)
+        from dtlab.pipeline import build_stages, make_schedule
 
+        m = config.resolve_microbatches(layout)
+        sched = make_schedule(config.schedule, layout.pp, m, config.chunks)
         modules = build_stages(
-            mc, layout.pp, pp.index, v=config.chunks, seed=config.seed
+            mc, layout.pp, pp.index, sched.v, config.seed, sched.placement
         )
     if layout.tp > 1:
         from dtlab.tensor_parallel import TensorParallelStage, tensor_parallel_gpt

@@ -233,8 +233,9 @@ class Trainer:
         known = [v if v is not None else 0.0 for v in losses]
         t = torch.tensor([sum(known) / len(known)], dtype=torch.float64)
         t = t.to(self.device)
-        if pp.size > 1:
-            comm.broadcast(t, src=pp.size - 1, group=pp, tag="loss")
+        if pp.size > 1:  # the last stage's rank: pp - 1, or 0 in a V
+            src = self.parts.pipe.schedule.loss_rank
+            comm.broadcast(t, src=src, group=pp, tag="loss")
         return float(t[0])
 
     def _activation_counter(self, rec) -> SavedBytes | None:

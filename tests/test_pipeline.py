@@ -22,7 +22,7 @@ from dtlab import estimate as est
 from dtlab import events
 from dtlab.model import GPT, GPTConfig, SyntheticTokens, shard_batch
 from dtlab.pipeline import (
-    SCHEDULES,
+    BUILDERS,
     Action,
     Pipeline,
     Schedule,
@@ -156,7 +156,7 @@ def test_validator_rejects_incomplete_and_misordered_schedules():
 def test_schedule_names_are_dtlab_events_vocabulary():
     # one spelling: the builders are keyed by dtlab.events.SCHEDULES, and the
     # spellings older code and notebooks use are aliases of it
-    assert tuple(SCHEDULES) == events.SCHEDULES
+    assert tuple(BUILDERS) == events.SCHEDULES
     for name in events.SCHEDULES:
         assert make_schedule(name, 2, 4).name == name
     for alias, name in (("zb-h1", "zb_h1"), ("ZB-H1", "zb_h1"), ("zbh1", "zb_h1")):

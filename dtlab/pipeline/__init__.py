@@ -11,9 +11,13 @@ list can be printed, checked without any process group, turned into the ideal
 timeline, executed for real and compared with the measured timeline. One file per
 step of that story:
 
-- :mod:`~dtlab.pipeline.schedules`: :class:`Action`, :class:`Schedule` and the
-  builders :func:`gpipe`, :func:`one_f_one_b` (1F1B), :func:`interleaved_1f1b`,
-  :func:`zb_h1` (:data:`SCHEDULES`, :func:`make_schedule`, :func:`in_flight`).
+- :mod:`~dtlab.pipeline.schedules`: :class:`Action`, :class:`Schedule` (with its
+  placement: which rank and chunk runs each virtual stage) and the builders
+  :func:`gpipe`, :func:`one_f_one_b` (1F1B), :func:`interleaved_1f1b`,
+  :func:`zb_h1`; :func:`in_flight`.
+- :mod:`~dtlab.pipeline.zero_bubble`: :func:`zb_v` and :func:`dualpipe_v`, two
+  chunks per rank in a V; :mod:`~dtlab.pipeline.catalogue`: every schedule by
+  name (:data:`BUILDERS`, :func:`make_schedule`).
 - :mod:`~dtlab.pipeline.simulator`: :func:`validate` (complete, ordered,
   deadlock-free), :func:`simulate` (the ideal timeline) beside
   :func:`measured_timeline` (the measured one, same format), and :func:`bubble`.
@@ -24,11 +28,12 @@ step of that story:
   :func:`train_pipeline` trains with it.
 """
 
-from dtlab.pipeline.executor import Pipeline, train_pipeline
+from dtlab.pipeline.catalogue import BUILDERS, make_schedule
+from dtlab.pipeline.executor import Pipeline, backward_pass, train_pipeline
 from dtlab.pipeline.schedules import (
     COMPUTE,
     MESSAGES,
-    SCHEDULES,
+    PLACEMENTS,
     Action,
     Schedule,
     ScheduleError,
@@ -36,24 +41,31 @@ from dtlab.pipeline.schedules import (
     gpipe,
     in_flight,
     interleaved_1f1b,
-    make_schedule,
     one_f_one_b,
+    stage_place,
+    virtual_stage,
     zb_h1,
 )
 from dtlab.pipeline.simulator import bubble, measured_timeline, simulate, validate
 from dtlab.pipeline.stages import StageModule, build_stages, partition
+from dtlab.pipeline.zero_bubble import dualpipe_v, zb_v
 
 __all__ = [
     "Action",
     "Schedule",
     "ScheduleError",
-    "SCHEDULES",
+    "BUILDERS",
     "COMPUTE",
     "MESSAGES",
     "gpipe",
     "one_f_one_b",
     "interleaved_1f1b",
     "zb_h1",
+    "zb_v",
+    "dualpipe_v",
+    "PLACEMENTS",
+    "virtual_stage",
+    "stage_place",
     "make_schedule",
     "from_compute_orders",
     "validate",
@@ -64,6 +76,7 @@ __all__ = [
     "StageModule",
     "build_stages",
     "Pipeline",
+    "backward_pass",
     "measured_timeline",
     "train_pipeline",
 ]

@@ -6,11 +6,13 @@ stages, or stages wrapped by ZeRO).
 
 :meth:`Pipeline.step` is the textbook's executor: for each action of its rank's
 list (:mod:`dtlab.pipeline.schedules`) it receives, runs a forward, sends, or runs a
-backward (``B``, or ZB-H1's ``B`` and ``W``), in the order the schedule says; its
-bookkeeping lives in :class:`dtlab.pipeline.step_state.StepState`. Sends are posted
-without waiting and receives wait, the communication model that
-:func:`dtlab.pipeline.validate` proved deadlock-free for this schedule.
-:func:`train_pipeline` is a whole training loop around it.
+backward (``B``, or the zero-bubble schedules' ``B`` and ``W``: :func:`backward_pass`),
+in the order the schedule says; its bookkeeping lives in
+:class:`dtlab.pipeline.step_state.StepState`. Sends are posted without waiting and
+receives wait, the communication model that :func:`dtlab.pipeline.validate` proved
+deadlock-free for this schedule; a message to this very rank (a V schedule's turn
+from stage ``p-1`` to ``p``) is handed over in memory. :func:`train_pipeline` is a
+whole training loop around it.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from dtlab import comm, telemetry
 from dtlab.events import Span
 from dtlab.gradsync import all_reduce_flat
 from dtlab.model import GPTConfig, SyntheticTokens, shard_batch
-from dtlab.pipeline.schedules import Schedule, make_schedule
+from dtlab.pipeline.catalogue import make_schedule
+from dtlab.pipeline.schedules import Schedule
 from dtlab.pipeline.simulator import validate
 from dtlab.pipeline.stages import StageModule, build_stages
 from dtlab.pipeline.step_state import StepState
 from dtlab.reference import make_optimizer
 from dtlab.topology import Axis
 
-__all__ = ["Pipeline", "train_pipeline"]
+__all__ = ["Pipeline", "backward_pass", "train_pipeline"]
 
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -66,7 +69,8 @@ class Pipeline:
     """Runs any valid schedule for real on this rank's stages.
 
     ``Pipeline(config, topo, "1f1b", microbatches=8)``; ``chunks=v`` with
-    ``"interleaved"``; a :class:`Schedule` object works too. Every rank of the world
+    ``"interleaved"`` (``"zb_v"`` and ``"dualpipe_v"`` hold 2 chunks per rank, in a
+    V); a :class:`Schedule` object works too. Every rank of the world
     constructs it together (it may create process groups). ``step(x, y)`` runs
     forward and backward of every microbatch of this data-parallel rank's batch and
     leaves the summed gradient of ``mean(loss_i)`` in ``.grad``; an optimizer then
@@ -114,18 +118,20 @@ class Pipeline:
         else:
             if microbatches is None:
                 raise ValueError("microbatches is required with a schedule name")
+            name, schedule = schedule, make_schedule(schedule, p, microbatches, chunks)
             topo.layout.validate(
                 n_layers=config.n_layers,
                 microbatches=microbatches,
-                schedule=None if str(schedule).lower() == "gpipe" else str(schedule),
-                chunks=chunks,
+                schedule=None if schedule.name == "gpipe" else str(name),
+                chunks=schedule.v,  # 2 for the V schedules
             )
-            schedule = make_schedule(schedule, p, microbatches, chunks)
         self.schedule = validate(schedule)
         self.config, self.topo = config, topo
         self.rank = topo.coords["pp"]
         if stages is None:
-            stages = build_stages(config, p, self.rank, schedule.v, seed)
+            stages = build_stages(
+                config, p, self.rank, schedule.v, seed, placement=schedule.placement
+            )
         elif len(stages) != schedule.v:
             raise ValueError(f"need {schedule.v} stage chunks, got {len(stages)}")
         self.stages = list(stages)
@@ -176,6 +182,8 @@ class Pipeline:
                     st.grads[key] = self._recv(a, st)
                 elif a.op == "F":
                     st.outputs[key] = self._forward(a, xs, ys, loss_scale, st)
+                elif a.op.startswith("send") and a.peer == self.rank:
+                    st.hand_over(a, key)  # a V's turn: the next stage is ours too
                 elif a.op == "send_act":  # posted, not waited for
                     out = st.outputs[key]
                     work = comm.isend(out.detach(), a.peer, self.axes["act"], tag="act")
@@ -184,7 +192,7 @@ class Pipeline:
                     g = st.inputs.pop(key).grad  # (b, T, C)
                     work = comm.isend(g, a.peer, self.axes["grad"], tag="grad")
                     st.sending(work, g)
-                else:  # B; with a split backward (ZB-H1), B then W
+                else:  # B; with a split backward (ZB-H1, ZB-V, DualPipeV), B then W
                     with st.span(Span(a.op), a):
                         self._backward(a.op, key, st)
                     if a.op == s.last_pass:  # the microbatch's activations can go
@@ -229,8 +237,11 @@ class Pipeline:
         )
 
     def _recv(self, a, st: StepState) -> torch.Tensor:
-        """``recv_act`` or ``recv_grad``: wait for the peer's message."""
+        """``recv_act`` or ``recv_grad``: wait for the peer's message, or, at a
+        V's turn, take the one this rank handed itself (``StepState.hand_over``)."""
         kind = a.op[5:]  # act or grad, each on its own group
+        if a.peer == self.rank:
+            return st.local[kind].popleft()
         buf = st.new_message()  # (b, T, C)
         work = comm.irecv(buf, a.peer, self.axes[kind], tag=kind)
         with st.span(Span.IDLE, a):  # waiting is the bubble
@@ -256,36 +267,66 @@ class Pipeline:
         return out
 
     def _backward(self, op: str, key, st: StepState) -> None:
-        """``B`` without a split: the whole backward of this chunk. With a split
-        (ZB-H1), ``B`` computes only the input's gradient, keeping the graph, and
-        ``W`` the weights' gradients. (This ``W`` walks the chunk's graph again
-        instead of reusing ``B``'s intermediate gradients as a production split
-        does, so it costs about as much as ``B``: same numbers, less saving.)"""
-        out, inp = st.outputs[key], st.inputs.get(key)
-        grad = st.grads.get(key)  # None on the last virtual stage: out is the loss
-        if not self.schedule.split_backward:
-            torch.autograd.backward(out, grad)
-        elif op == "B":
-            if inp is not None:  # the first stage has no input gradient to send
-                torch.autograd.backward(out, grad, inputs=[inp], retain_graph=True)
-        else:
-            weights = [q for q in self.stages[key[0]].parameters() if q.requires_grad]
-            torch.autograd.backward(out, grad, inputs=weights)
+        """``B`` (or ``W``) of microbatch-chunk ``key``: :func:`backward_pass`."""
+        weights = [q for q in self.stages[key[0]].parameters() if q.requires_grad]
+        backward_pass(
+            op,
+            st.outputs[key],
+            st.grads.get(key),  # None on the last virtual stage: out is the loss
+            st.inputs.get(key),  # None on the first: no input gradient to send
+            weights,
+            split=self.schedule.split_backward,
+        )
 
     def sync_gradients(self, data_parallel: bool = True) -> None:
-        """After the last microbatch only: sum the tied embedding's two copies, then
-        average over data-parallel replicas (one flat all-reduce;
+        """After the last microbatch only: sum the tied embedding's two copies (over
+        the first and last rank, or on rank 0 in a V), then average over
+        data-parallel replicas (one flat all-reduce;
         ``data_parallel=False`` leaves that to a data-parallel wrapper)."""
-        tied = self.axes["tied"]
-        if self.config.tied_head and tied is not None:
-            for stage in self.stages:
-                for name, q in stage.named_parameters():
-                    if name in ("wte.weight", "head.weight") and q.grad is not None:
-                        comm.all_reduce(q.grad, group=tied, tag="tied-embedding")
+        s, tied = self.schedule, self.axes["tied"]
+        copies = [
+            q
+            for stage in self.stages
+            for name, q in stage.named_parameters()
+            if name in ("wte.weight", "head.weight") and q.grad is not None
+        ]
+        if self.config.tied_head and s.place(0)[0] == s.loss_rank:
+            # a V: first and last stage are two chunks of this rank (a lone stage
+            # ties the very same tensor: one copy, nothing to add)
+            if len(copies) == 2:
+                total = copies[0].grad + copies[1].grad
+                for q in copies:
+                    q.grad.copy_(total)
+        elif self.config.tied_head and tied is not None:
+            for q in copies:
+                comm.all_reduce(q.grad, group=tied, tag="tied-embedding")
         dp = self.topo.axis("dp")
         if data_parallel and dp.size > 1:
             grads = [q.grad for q in self.parameters() if q.grad is not None]
             all_reduce_flat(grads, dp, tag="dp-grads", divide_by=dp.size)
+
+
+# ---- the backward, whole or split -------------------------------------------------
+def backward_pass(op: str, out, grad, inp, weights, *, split: bool = True) -> None:
+    """One backward pass of one microbatch-chunk, from ``out`` (its output, or the
+    loss on the last virtual stage) with ``grad`` = dL/d(out) (``None`` for the
+    loss). ``inp``: its input (``None`` on the first stage), whose ``.grad`` goes
+    upstream; ``weights``: the chunk's parameters.
+
+    ``split=False``: the whole backward at once, input and weight gradients. Split
+    (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §2): ``B`` computes only
+    dL/d(input), which the stage before waits for, and keeps the graph; ``W``
+    computes dL/d(weights), which nobody waits for, whenever the schedule says.
+    (This ``W`` walks the graph again instead of reusing ``B``'s intermediate
+    gradients as a production split does, so it costs about as much as ``B``: the
+    same numbers, less saving.)"""
+    if not split:
+        torch.autograd.backward(out, grad)
+    elif op == "B":
+        if inp is not None:
+            torch.autograd.backward(out, grad, inputs=[inp], retain_graph=True)
+    else:
+        torch.autograd.backward(out, grad, inputs=weights)
 
 
 # ---- training loop -------------------------------------------------------------------
@@ -321,8 +362,8 @@ def train_pipeline(
         out = pipe.step(x, y)
         opt.step()
         loss = torch.tensor([out["loss"] if out["loss"] is not None else 0.0])
-        if pp.size > 1:
-            comm.broadcast(loss, src=pp.size - 1, group=pp, tag="loss")
+        if pp.size > 1:  # from the rank with the last stage (rank 0 in a V)
+            comm.broadcast(loss, src=pipe.schedule.loss_rank, group=pp, tag="loss")
         if dp.size > 1:
             comm.all_reduce(loss, group=dp, tag="loss")
             loss /= dp.size

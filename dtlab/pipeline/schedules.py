@@ -25,6 +25,17 @@ messages, each with its microbatch and chunk. The builders:
   ``W`` (gradient of the weights, which nobody waits for); rank ``i`` runs each
   ``W`` ``i`` backwards late, moving work into the cool-down where 1F1B idles.
 
+ZB-V and DualPipeV, two chunks per rank placed in a *V*, are built in
+:mod:`dtlab.pipeline.zero_bubble`; :mod:`dtlab.pipeline.catalogue` finds every
+schedule by its name.
+
+Where a virtual stage lives is data too, :attr:`Schedule.placement`:
+``"interleaved"`` puts chunk ``c`` of rank ``r`` at virtual stage ``c·p + r``
+(Megatron), ``"v"`` puts chunk 0 at stage ``r`` and chunk 1 at stage ``2p-1-r``
+(:func:`virtual_stage`, :func:`stage_place`): a microbatch runs down the ranks and
+back up, and the turn at the bottom (stage ``p-1`` to ``p``, both on rank ``p-1``)
+is a message a rank sends to itself, which the executor hands over in memory.
+
 Each builder gives only the *compute* order of every rank; :func:`from_compute_orders`
 puts each receive right before the compute that needs it and each send right after
 the compute that produced it, so a learner's own order (chapter 05's exercise) becomes
@@ -37,11 +48,13 @@ from collections import deque
 from dataclasses import dataclass
 
 from dtlab.checks import positive_int
-from dtlab.events import schedule_name
 
 __all__ = [
     "COMPUTE",
     "MESSAGES",
+    "PLACEMENTS",
+    "virtual_stage",
+    "stage_place",
     "Action",
     "Schedule",
     "ScheduleError",
@@ -50,8 +63,6 @@ __all__ = [
     "one_f_one_b",
     "interleaved_1f1b",
     "zb_h1",
-    "SCHEDULES",
-    "make_schedule",
     "in_flight",
 ]
 
@@ -59,6 +70,26 @@ COMPUTE = ("F", "B", "W")
 """Compute actions: forward, backward (input gradient), weight gradient."""
 MESSAGES = ("send_act", "recv_act", "send_grad", "recv_grad")
 """Message actions: activations travel forwards, gradients backwards."""
+PLACEMENTS = ("interleaved", "v")
+"""Where each rank's chunks sit among the virtual stages (:func:`virtual_stage`)."""
+
+
+def virtual_stage(p: int, rank: int, chunk: int, placement="interleaved") -> int:
+    """The virtual stage chunk ``chunk`` of rank ``rank`` runs. ``"interleaved"``:
+    ``chunk·p + rank`` (Megatron's assignment, ``v`` chunks). ``"v"``: chunk 0 is
+    stage ``rank`` and chunk 1 stage ``2p - 1 - rank`` (ZB-V's and DualPipeV's V:
+    rank 0 holds the first and the last stage)."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def stage_place(p: int, vstage: int, placement="interleaved") -> tuple[int, int]:
+    """``(rank, chunk)`` that runs virtual stage ``vstage``: the inverse of
+    :func:`virtual_stage`."""
+    if placement == "v":
+        return (vstage, 0) if vstage < p else (2 * p - 1 - vstage, 1)
+    return vstage % p, vstage // p
 
 
 @dataclass(frozen=True)
@@ -86,9 +117,10 @@ class Action:
 class Schedule:
     """Every rank's ordered actions. ``actions[r]`` is rank ``r``'s list.
 
-    ``p`` stages (ranks), ``m`` microbatches, ``v`` chunks per rank; chunk ``c`` of
-    rank ``r`` is virtual stage ``c·p + r`` (Megatron's interleaved assignment), so
-    ``p·v`` virtual stages in all. ``split_backward``: backward is ``B`` + ``W``.
+    ``p`` stages (ranks), ``m`` microbatches, ``v`` chunks per rank, ``p·v``
+    virtual stages in all; ``placement`` says which chunk runs which virtual stage
+    (:func:`virtual_stage`: ``c·p + r`` when interleaved, the V otherwise).
+    ``split_backward``: backward is ``B`` + ``W``.
     """
 
     name: str
@@ -97,10 +129,25 @@ class Schedule:
     v: int
     actions: tuple
     split_backward: bool = False
+    placement: str = "interleaved"
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"placement {self.placement!r}: expected one of {PLACEMENTS}"
+            )
+        if self.placement == "v" and self.v != 2:
+            raise ValueError(f"the V placement holds 2 chunks per rank, not v={self.v}")
 
     @property
     def n_virtual(self) -> int:
         return self.p * self.v
+
+    @property
+    def loss_rank(self) -> int:
+        """The rank that runs the last virtual stage: it computes the loss (rank 0
+        in a V, rank ``p - 1`` otherwise)."""
+        return self.place(self.n_virtual - 1)[0]
 
     @property
     def last_pass(self) -> str:
@@ -108,11 +155,11 @@ class Schedule:
         return "W" if self.split_backward else "B"
 
     def vstage(self, rank: int, chunk: int) -> int:
-        return chunk * self.p + rank
+        return virtual_stage(self.p, rank, chunk, self.placement)
 
     def place(self, vstage: int) -> tuple[int, int]:
         """``(rank, chunk)`` that holds virtual stage ``vstage``."""
-        return vstage % self.p, vstage // self.p
+        return stage_place(self.p, vstage, self.placement)
 
     def compute_order(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.op in COMPUTE]
@@ -135,7 +182,14 @@ def _check_sizes(p, m, v=1) -> None:
 
 
 def from_compute_orders(
-    name: str, p: int, m: int, orders, *, v: int = 1, split_backward: bool = False
+    name: str,
+    p: int,
+    m: int,
+    orders,
+    *,
+    v: int = 1,
+    split_backward: bool = False,
+    placement: str = "interleaved",
 ) -> Schedule:
     """A full schedule from each rank's *compute* order (``F``/``B``/``W`` actions,
     or ``("F", mb)`` / ``("F", mb, chunk)`` tuples): the receive goes right before
@@ -144,6 +198,10 @@ def from_compute_orders(
     if len(orders) != p:
         raise ValueError(f"need one compute order per rank: got {len(orders)}, p={p}")
     S = p * v
+
+    def peer(vstage: int) -> int:  # the rank of a neighbouring virtual stage
+        return stage_place(p, vstage, placement)[0]
+
     out = []
     for r, order in enumerate(orders):
         acts = []
@@ -154,18 +212,18 @@ def from_compute_orders(
                     f"rank {r}: {a.op!r} is not a compute action; give only F, B, W "
                     "(messages are inserted for you)"
                 )
-            s = a.chunk * p + r  # virtual stage
+            s = virtual_stage(p, r, a.chunk, placement)
             if a.op == "F" and s > 0:
-                acts.append(Action("recv_act", a.microbatch, a.chunk, (s - 1) % p))
+                acts.append(Action("recv_act", a.microbatch, a.chunk, peer(s - 1)))
             if a.op == "B" and s < S - 1:
-                acts.append(Action("recv_grad", a.microbatch, a.chunk, (s + 1) % p))
+                acts.append(Action("recv_grad", a.microbatch, a.chunk, peer(s + 1)))
             acts.append(Action(a.op, a.microbatch, a.chunk))
             if a.op == "F" and s < S - 1:
-                acts.append(Action("send_act", a.microbatch, a.chunk, (s + 1) % p))
+                acts.append(Action("send_act", a.microbatch, a.chunk, peer(s + 1)))
             if a.op == "B" and s > 0:
-                acts.append(Action("send_grad", a.microbatch, a.chunk, (s - 1) % p))
+                acts.append(Action("send_grad", a.microbatch, a.chunk, peer(s - 1)))
         out.append(tuple(acts))
-    return Schedule(name, p, m, v, tuple(out), split_backward)
+    return Schedule(name, p, m, v, tuple(out), split_backward, placement)
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -258,29 +316,6 @@ def zb_h1(p: int, m: int) -> Schedule:
         order += [("W", i) for i in pending]
         orders.append(order)
     return from_compute_orders("zb_h1", p, m, orders, split_backward=True)
-
-
-SCHEDULES = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved_1f1b,
-    "zb_h1": zb_h1,
-}
-"""The builder of each schedule, keyed by :data:`dtlab.events.SCHEDULES`' names."""
-
-
-def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The schedule called ``name`` (:data:`dtlab.events.SCHEDULES`, or an alias
-    :func:`dtlab.events.schedule_name` knows: ``"zb-h1"``, ``"interleaved-1f1b"``);
-    ``v`` only for ``"interleaved"``."""
-    key = schedule_name(name)
-    if key == "interleaved":
-        return interleaved_1f1b(p, m, v)
-    if v != 1:
-        raise ValueError(
-            f"schedule {name!r} runs one chunk per rank; chunks={v} needs 'interleaved'"
-        )
-    return SCHEDULES[key](p, m)
 
 
 def in_flight(schedule: Schedule) -> list[list[int]]:

@@ -7,7 +7,9 @@ Communication model (what :func:`validate` proves and :class:`dtlab.pipeline.Pip
 relies on): a send is posted without waiting (``isend``), a receive waits for its
 data. Messages between two ranks travel on two channels, activations and gradients
 (two process groups), and each channel delivers in order: the n-th ``recv_act`` from
-rank ``j`` gets the n-th ``send_act`` rank ``j`` posted to it.
+rank ``j`` gets the n-th ``send_act`` rank ``j`` posted to it. A message a rank sends
+to itself (a V schedule's turn: two consecutive stages on one rank) follows the same
+rule, without latency.
 
 :func:`validate` and :func:`simulate` play every rank's list together under that
 model (one loop, :func:`_play`): the first checks that every receive gets the
@@ -44,11 +46,13 @@ def _expected_actions(s: Schedule, r: int) -> dict[Action, int]:
             for op in ops:
                 need[Action(op, i, c)] = 1
             if vs > 0:
-                need[Action("recv_act", i, c, (vs - 1) % s.p)] = 1
-                need[Action("send_grad", i, c, (vs - 1) % s.p)] = 1
+                up = s.place(vs - 1)[0]  # the rank of the stage before
+                need[Action("recv_act", i, c, up)] = 1
+                need[Action("send_grad", i, c, up)] = 1
             if vs < S - 1:
-                need[Action("send_act", i, c, (vs + 1) % s.p)] = 1
-                need[Action("recv_grad", i, c, (vs + 1) % s.p)] = 1
+                down = s.place(vs + 1)[0]  # the rank of the stage after
+                need[Action("send_act", i, c, down)] = 1
+                need[Action("recv_grad", i, c, down)] = 1
     return need
 
 
@@ -128,12 +132,20 @@ def _play(s: Schedule, cost: dict[str, float], t_comm: float = 0.0) -> list[dict
                 if a.op.startswith("send"):
                     kind = a.op[5:]
                     dst_v = s.vstage(r, a.chunk) + (1 if kind == "act" else -1)
+                    latency = t_comm if a.peer != r else 0.0  # the V's turn: local
                     channels.setdefault((r, a.peer, kind), deque()).append(
-                        (a.microbatch, dst_v, clock[r] + t_comm)
+                        (a.microbatch, dst_v, clock[r] + latency)
                     )
                 elif a.op.startswith("recv"):
                     kind = a.op[5:]
                     q = channels.get((a.peer, r, kind))
+                    if not q and a.peer == r:  # nobody else can send it
+                        raise ScheduleError(
+                            f"{s.name}: rank {r} waits for its own {kind} of "
+                            f"microbatch {a.microbatch} (virtual stage "
+                            f"{s.vstage(r, a.chunk)}) before it computes it: run the "
+                            "neighbouring stage's compute first"
+                        )
                     if not q:
                         break  # blocked until the peer sends
                     *got, arrive = q.popleft()

@@ -6,8 +6,10 @@ before :class:`dtlab.pipeline.Pipeline` runs them.
 
 The ``n_layers`` blocks are cut into ``p·v`` equal *virtual stages*; rank ``r``
 holds virtual stages ``c·p + r`` for its ``v`` chunks ``c`` (Megatron's interleaved
-assignment; ``v = 1`` is the plain cut). The embedding goes with virtual stage 0,
-the final LayerNorm, head and loss with the last one.
+assignment; ``v = 1`` is the plain cut), or, placed in a V (ZB-V, DualPipeV:
+``placement="v"``, ``v = 2``), stages ``r`` and ``2p - 1 - r``
+(:func:`dtlab.pipeline.schedules.virtual_stage`). The embedding goes with virtual
+stage 0, the final LayerNorm, head and loss with the last one.
 """
 
 from __future__ import annotations
@@ -17,21 +19,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlab.model import INIT_STD, Block, GPTConfig, init_gpt_weights, param_generator
+from dtlab.pipeline.schedules import virtual_stage
 from dtlab.topology import Layout
 
 __all__ = ["partition", "StageModule", "build_stages"]
 
 
-def partition(config: GPTConfig, p: int, v: int = 1) -> list[list[range]]:
+def partition(
+    config: GPTConfig, p: int, v: int = 1, placement: str = "interleaved"
+) -> list[list[range]]:
     """Layers of each rank's chunks: ``partition(cfg, p, v)[r][c]`` is the range of
-    block indices of virtual stage ``c·p + r``. The embedding goes with virtual
-    stage 0, the final LayerNorm, head and loss with the last one."""
+    block indices of the virtual stage chunk ``c`` of rank ``r`` runs (``c·p + r``,
+    or in a V ``r`` and ``2p - 1 - r``). The embedding goes with virtual stage 0,
+    the final LayerNorm, head and loss with the last one."""
     Layout(pp=p).validate(n_layers=config.n_layers, chunks=v)
+    if placement == "v" and v != 2:
+        raise ValueError(f"the V placement holds 2 chunks per rank, not v={v}")
     per = config.n_layers // (p * v)
-    return [
-        [range((c * p + r) * per, (c * p + r + 1) * per) for c in range(v)]
-        for r in range(p)
-    ]
+    stage = [[virtual_stage(p, r, c, placement) for c in range(v)] for r in range(p)]
+    return [[range(s * per, (s + 1) * per) for s in row] for row in stage]
 
 
 class StageModule(nn.Module):
@@ -97,16 +103,24 @@ class StageModule(nn.Module):
             yield name, param
 
 
-def build_stages(config: GPTConfig, p: int, rank: int, v: int = 1, seed: int = 0):
-    """The ``v`` :class:`StageModule` chunks of pp rank ``rank``."""
-    parts = partition(config, p, v)[rank]
-    S = p * v
+def build_stages(
+    config: GPTConfig,
+    p: int,
+    rank: int,
+    v: int = 1,
+    seed: int = 0,
+    placement: str = "interleaved",
+):
+    """The ``v`` :class:`StageModule` chunks of pp rank ``rank``; ``placement``
+    as the schedule's (:attr:`dtlab.pipeline.Schedule.placement`)."""
+    parts = partition(config, p, v, placement)[rank]
+    last = p * v - 1
     return [
         StageModule(
             config,
             layers,
-            first=c * p + rank == 0,
-            last=c * p + rank == S - 1,
+            first=virtual_stage(p, rank, c, placement) == 0,
+            last=virtual_stage(p, rank, c, placement) == last,
             seed=seed,
         )
         for c, layers in enumerate(parts)

@@ -11,6 +11,7 @@ trick which outputs it may free).
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 
 import torch
 
@@ -30,12 +31,15 @@ class StepState:
     gradients of the outputs). ``weights``: the parameters the stages compute with
     (inside a ZeRO wrapper too), which are not counted as activations. ``message``:
     ``(shape, dtype, device)`` of every activation or gradient on the wire.
+    ``local``: what this rank sent itself (a V schedule's turn), not yet taken.
     """
 
     def __init__(self, rec, stage: int, replica: int, weights, message):
         self.rec, self.stage, self.replica = rec, stage, replica
         self.weights, self.message = list(weights), message
         self.inputs, self.outputs, self.grads = {}, {}, {}
+        # messages this rank sends itself (a V's turn), per kind, in order sent
+        self.local = {"act": deque(), "grad": deque()}
         self.saved: dict[tuple, int] = {}  # (chunk, mb) -> activation bytes held
         self.saved_ptrs: dict[tuple, set] = {}  # (chunk, mb) -> their storages
         self.sends: list = []  # (work, tensor, free when done)
@@ -75,6 +79,14 @@ class StepState:
             tensor.untyped_storage().data_ptr() not in self.saved_ptrs[output_of]
         )
         self.sends.append((work, tensor, free))
+
+    def hand_over(self, a: Action, key) -> None:
+        """``send_act`` or ``send_grad`` to this very rank (a V schedule's turn,
+        stage ``p-1`` to ``p``): keep the tensor for the receive, in order sent.
+        Nothing crosses a link and nothing is freed: the next chunk reads it."""
+        kind = a.op[5:]
+        out = self.outputs[key] if kind == "act" else self.inputs.pop(key).grad
+        self.local[kind].append(out.detach())
 
     def release(self, key, a: Action) -> None:
         """The last backward pass of ``key`` ran: drop its graph and buffers."""

@@ -42,6 +42,8 @@ for p, m, name, v in [
     (2, 4, "interleaved", 2),
     (4, 4, "zb_h1", 1),
     (4, 8, "1f1b", 1),
+    (2, 4, "zb_v", 1),  # the V: two chunks a rank, whatever v the controls show
+    (2, 4, "dualpipe_v", 1),
 ]:
     explorer.verify(p, m, name, v)
     if name == "gpipe":

@@ -17,7 +17,7 @@ import statistics
 import ipywidgets as W
 
 from dtlab import estimate, pipeline
-from dtlab.events import schedule_name
+from dtlab.events import SCHEDULES, schedule_name
 from dtlab.lab.figures.pipeline import pipeline_ideal_vs_measured
 from dtlab.lab.lessons.checks import confirm
 from dtlab.lab.predictions import Question
@@ -90,7 +90,7 @@ class PipelineExplorer:
         self.p = W.ToggleButtons(options=[2, 4], value=4, description="stages p")
         self.m = W.IntSlider(value=8, min=1, max=16, description="microbatches m")
         self.schedule = W.Dropdown(
-            options=list(pipeline.SCHEDULES), value="1f1b", description="schedule"
+            options=list(SCHEDULES), value="1f1b", description="schedule"
         )
         self.v = W.ToggleButtons(options=[1, 2], value=1, description="chunks v")
         self.status = W.HTML()
@@ -136,6 +136,7 @@ class PipelineExplorer:
         self.last = {}
         try:
             schedule = pipeline.make_schedule(name, p, m, v)
+            v = schedule.v  # 2 for the V schedules
             Layout(pp=p).validate(
                 n_layers=self.config.n_layers, chunks=v, microbatches=m, schedule=name
             )
@@ -161,6 +162,8 @@ class PipelineExplorer:
         peaks = [res["stats"]["peak_in_flight"] for res in results[: p * dp : dp]]
         if schedule_name(name) == "zb_h1":  # (p−1)(t_f + t_B − t_W)
             formula = (p - 1) * (t_f + t_b - 2 * t_w) / max(e["t_end"] for e in ideal)
+        elif schedule.placement == "v":  # the start-up bound, (p−1)·t_f/2
+            formula = (p - 1) * t_f / 2 / max(e["t_end"] for e in ideal)
         else:
             formula = estimate.pipeline_bubble_fraction(p, m, v)
         self.last = dict(
