@@ -27,46 +27,27 @@ __all__ = [
 ]
 
 
-def _shape(config, layout: Layout) -> tuple[int, int, int]:
-    """(microbatches per step, per flush, sequences per microbatch) of a rank."""
-    k, m = config.grad_accum_steps, config.resolve_microbatches(layout)
-    return k * m, m, config.global_batch_size // (layout.dp * k * m)
-
-
 def predicted_traffic(config, layout: Layout) -> dict:
     """Wire bytes one rank sends per optimizer step, by axis
-    (:func:`dtlab.estimate.layout_traffic`), named as the run's telemetry names
-    them (the gradients travel on ``dp_cp`` when cp > 1)."""
-    per_step, _, rows = _shape(config, layout)
-    out = estimate.layout_traffic(
-        config.model, layout, zero_stage=config.zero_stage or 0,
-        precision=config.precision, micro_batch_size=rows, microbatches=per_step,
-        sequence_parallel=config.sequence_parallel, chunks=config.chunks,
-        cp_variant=config.cp_variant,
-    )  # fmt: skip
+    (:meth:`dtlab.estimate.Run.traffic`), named as the run's telemetry names them
+    (the gradients travel on ``dp_cp`` when cp > 1)."""
+    out = estimate.Run.of(config, layout).traffic()
     if layout.cp > 1:
         out["dp_cp"] = out.pop("dp")
     return out
 
 
 def predicted_memory(config, layout: Layout, stage=None, device=None) -> dict:
-    """Bytes per rank by category (:func:`dtlab.estimate.layout_memory`), at pipeline
+    """Bytes per rank by category (:meth:`dtlab.estimate.Run.memory`), at pipeline
     stage ``stage`` or, by default, the most loaded one, for ranks on ``device``
     (default: a GPU if this process sees one, else the CPU; with dropout on, the
     masks' size depends on it)."""
-    _, per_flush, rows = _shape(config, layout)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     masks = estimate.dropout_mask_bytes(device, value_bytes(config.precision))
-    return estimate.layout_memory(
-        config.model, layout, zero_stage=config.zero_stage or 0,
-        precision=config.precision, micro_batch_size=rows, microbatches=per_flush,
-        schedule=config.schedule, chunks=config.chunks,
-        checkpointing=config.activation_checkpointing,
-        sequence_parallel=config.sequence_parallel, offload=config.offload,
-        stage=stage, activations="dtlab", cp_variant=config.cp_variant,
-        dropout_mask_bytes=masks, zero_shard_size=config.zero_shard_size,
-    )  # fmt: skip
+    return estimate.Run.of(config, layout).memory(
+        stage, activations="dtlab", dropout_mask_bytes=masks
+    )
 
 
 def measured_traffic(events, steps=None) -> dict[str, float]:

@@ -284,3 +284,28 @@ def test_gpu_presets():
     assert est.GPUS["A100-40GB"].memory_bytes == 40 * GB
     assert est.GPUS["H200-141GB"].memory_bytes == 141 * GB
     assert est.GPUS["A100-80GB"].peak_bf16_flops == 312e12
+
+
+def test_run_reads_a_config_once_for_memory_and_traffic():
+    from dtlab.model import GPTConfig
+    from dtlab.topology import Layout
+    from dtlab.train import TrainConfig
+
+    model = GPTConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
+    layout = Layout(dp=2, pp=2)
+    config = TrainConfig(
+        model=model, layout=layout, strategy="zero2", global_batch_size=16,
+        grad_accum_steps=2, microbatches=2, precision="bf16",
+    )  # fmt: skip
+    run = est.Run.of(config)
+    # 16 sequences / (dp 2 x 2 flushes x 2 microbatches) = 2 per microbatch
+    assert (run.micro_batch_size, run.per_flush, run.per_step) == (2, 2, 4)
+    assert run.zero_stage == 2 and run.precision == "bf16"
+    common = dict(zero_stage=2, precision="bf16", micro_batch_size=2)
+    # memory holds one flush's microbatches, traffic pays every microbatch
+    assert run.memory(0) == est.layout_memory(
+        model, layout, microbatches=2, stage=0, **common
+    )
+    assert run.traffic() == est.layout_traffic(model, layout, microbatches=4, **common)
+    with pytest.raises(ValueError, match="has no layout"):
+        est.Run.of(config.replace(layout=None))

@@ -34,7 +34,7 @@ from dtlab.estimate.layouts import value_bytes
 from dtlab.estimate.pipeline import pipeline_in_flight
 from dtlab.events import schedule_name
 
-__all__ = ["compare_memory", "compare_traffic", "estimate_kwargs", "STEP_COUNTER"]
+__all__ = ["compare_memory", "compare_traffic", "STEP_COUNTER"]
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 HOST = ("host_params", "host_grads", "host_optimizer")
@@ -51,20 +51,6 @@ def _close(a: float, b: float) -> bool:
     """Equal to the byte (wire bytes are ``(N-1)/N`` fractions summed in floats:
     their rounding stays far below a byte at 1e12 bytes)."""
     return abs(a - b) < 0.5
-
-
-def estimate_kwargs(config, layout) -> dict:
-    """The estimate's arguments for a config (as :mod:`dtlab.measure` maps them):
-    microbatches per step and per flush, and sequences per microbatch."""
-    k, m = config.grad_accum_steps, config.resolve_microbatches(layout)
-    rows = config.global_batch_size // (layout.dp * k * m)
-    return {
-        "zero_stage": config.zero_stage or 0,
-        "precision": config.precision,
-        "micro_batch_size": rows,
-        "per_step": k * m,
-        "per_flush": m,
-    }
 
 
 def _row(category, measured, predicted, reason=None, **extra) -> dict:
@@ -113,9 +99,9 @@ def layernorm_stats_extra(config, layout, stage: int) -> int:
     extra = 4 - value_bytes(config.precision)
     if not extra:
         return 0
-    kw = estimate_kwargs(config, layout)
+    run = estimate.Run.of(config, layout)
     mc = config.model
-    tokens = kw["micro_batch_size"] * mc.seq_len // layout.cp
+    tokens = run.micro_batch_size * mc.seq_len // layout.cp
     if config.sequence_parallel:
         tokens //= layout.tp
     layers = mc.n_layers // layout.pp
@@ -123,9 +109,9 @@ def layernorm_stats_extra(config, layout, stage: int) -> int:
     if layout.pp > 1:
         key = schedule_name(config.schedule)
         v = config.chunks if key == "interleaved" else 1
-        in_flight = pipeline_in_flight(layout.pp, stage, kw["per_flush"], key, v)
+        in_flight = pipeline_in_flight(layout.pp, stage, run.per_flush, key, v)
         layers = in_flight * layers // v
-        last_in_flight = kw["per_flush"] if key == "gpipe" else 1
+        last_in_flight = run.per_flush if key == "gpipe" else 1
     per_norm = 2 * extra * tokens  # mean and 1/std
     blocks = 0 if config.activation_checkpointing == "full" else 2 * layers
     final = last_in_flight if stage == layout.pp - 1 else 0
@@ -135,15 +121,8 @@ def layernorm_stats_extra(config, layout, stage: int) -> int:
 def _published_memory(config, layout, stage, published):
     if published is None:
         return None
-    kw = estimate_kwargs(config, layout)
-    return estimate.layout_memory(
-        published.preset, layout, zero_stage=kw["zero_stage"],
-        precision=config.precision, micro_batch_size=kw["micro_batch_size"],
-        microbatches=kw["per_flush"], schedule=config.schedule,
-        chunks=config.chunks, checkpointing=config.activation_checkpointing,
-        sequence_parallel=config.sequence_parallel, stage=stage,
-        states="dtlab", activations="dtlab", cp_variant=config.cp_variant,
-    )  # fmt: skip
+    run = estimate.Run.of(config, layout, model=published.preset)
+    return run.memory(stage, activations="dtlab")
 
 
 def _pub(pub, key, got, published) -> dict:
@@ -176,17 +155,11 @@ def compare_traffic(config, layout, stage: int, traffic: dict,
                     published=None) -> list[dict]:  # fmt: skip
     """Rows ``{category: axis, measured, estimate, difference, reason, ops}``:
     the wire bytes this rank sent in the step, per axis and op."""
-    kw = estimate_kwargs(config, layout)
-    common = dict(
-        zero_stage=kw["zero_stage"], precision=config.precision,
-        micro_batch_size=kw["micro_batch_size"], microbatches=kw["per_step"],
-        sequence_parallel=config.sequence_parallel, chunks=config.chunks,
-        stage=stage, cp_variant=config.cp_variant,
-    )  # fmt: skip
-    est = estimate.layout_traffic(config.model, layout, **common)
+    run = estimate.Run.of(config, layout)
+    est = run.traffic(stage)
     pub = None
     if published is not None:
-        pub = estimate.layout_traffic(published.preset, layout, **common)
+        pub = estimate.Run.of(config, layout, model=published.preset).traffic(stage)
     got = measured_axes(traffic)
     rows = []
     for axis in [a for a in AXES if a in got or est.get(a)] + sorted(

@@ -115,6 +115,7 @@ from dtlab.estimate.planner import (
     PlanRow,
     plan,
 )
+from dtlab.estimate.run import Run
 from dtlab.estimate.serving import (
     kv_cache_bytes,
     serving_memory,
@@ -165,6 +166,7 @@ from dtlab.estimate.zero import (
 from dtlab.events import STATE_PRECISIONS  # the storage regimes the states count
 
 __all__ = [
+    "Run",
     "STATE_PRECISIONS",
     "BytesPerParam",
     "bytes_per_param",
