@@ -201,6 +201,7 @@ def _under_torchrun(config, out_dir: str) -> None:
         write_rank_record(
             out_dir, _rank_record(config, found, "torchrun agent's TCPStore")
         )
+        dist.barrier()  # no rank tears its sockets down under a peer's op
     finally:
         dist.destroy_process_group()
 
@@ -269,4 +270,11 @@ def launch(launcher: str, config, nproc: int = 2, *, timeout: float = 120) -> li
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # the record is written and the world destroyed; leave without the interpreter's
+    # teardown, where a C++ thread left behind by gloo aborted one torchrun rank in
+    # one run of many ("terminate called without an active exception", -6), as
+    # dtlab.frameworks.accelerate_run does
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
