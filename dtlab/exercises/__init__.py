@@ -21,11 +21,12 @@ proves every one of them rejected (:data:`REGISTRY`, :func:`catalogue`).
 
 Per chapter: ``chNN_solutions`` (the references, what :func:`solution` shows),
 ``chNN_<topic>`` (the probes that run on the ranks and the checkers that judge
-them: :mod:`.ch01_collectives` … :mod:`.ch11_beyond`; the framework exercises in
-modules of their own, :mod:`.ch02_torch_ddp` and :mod:`.ch03_fsdp2`) and
-``chNN_mistakes`` (the catalogue of wrong solutions). Shared by all: :mod:`.grading`
-(verdicts, stubs, the registry), :mod:`.ranks` (running a probe on every rank) and
-:mod:`.watch` (what a rank's code really did).
+them: :mod:`.ch01_collectives` … :mod:`.ch12_frontier`; the framework exercises in
+modules of their own, :mod:`.ch02_torch_ddp` and :mod:`.ch03_fsdp2`, and chapter
+12's third, the owners of sharded Muon, in :mod:`.ch12_muon`) and
+``chNN_mistakes`` (the catalogue of wrong solutions). Shared by all:
+:mod:`.grading` (verdicts, stubs, the registry), :mod:`.ranks` (running a probe on
+every rank) and :mod:`.watch` (what a rank's code really did).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from dtlab.exercises import (  # noqa: F401
     ch09_mistakes,
     ch10_mistakes,
     ch11_mistakes,
+    ch12_mistakes,
 )
 from dtlab.exercises.ch00_memory import check_min_gpus, check_zero2_bytes
 from dtlab.exercises.ch01_collectives import (
@@ -88,6 +90,11 @@ from dtlab.exercises.ch11_beyond import (
     check_merge_attention,
     check_moe_dispatch,
 )
+from dtlab.exercises.ch12_frontier import (
+    check_delayed_scaling_update,
+    check_split_backward,
+)
+from dtlab.exercises.ch12_muon import check_assign_owners
 from dtlab.exercises.grading import (
     REGISTRY,
     SUBSTITUTE_ENV,
@@ -145,6 +152,9 @@ __all__ = [
     "check_merge_attention",
     "check_moe_dispatch",
     "check_all_to_all_splits",
+    "check_delayed_scaling_update",
+    "check_split_backward",
+    "check_assign_owners",
 ]
 
 

@@ -70,6 +70,9 @@ DIFFICULTY = {
     "merge_attention": "stretch",
     "moe_dispatch": "core",
     "all_to_all_splits": "core",
+    "delayed_scaling_update": "core",
+    "split_backward": "stretch",
+    "assign_owners": "warm-up",
 }
 """Every exercise's difficulty: warm-up (one formula or one wrapper), core (the
 mechanism itself), stretch (a mechanism with a subtle case: overlap, a schedule,
