@@ -13,6 +13,9 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("DTLAB_HOME", tempfile.mkdtemp(prefix="dtlab-home-"))
 torch.set_num_threads(1)
 
+# every chapter's catalogue of wrong solutions, registered for every test
+import tests.mistakes  # noqa: E402, F401
+
 
 def pytest_report_header(config):
     from dtlab.capabilities import LACKS_ENV, report

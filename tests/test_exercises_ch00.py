@@ -5,7 +5,7 @@ the message the catalogue names. Both are pure functions, checked in this proces
 
 import pytest
 
-from dtlab.exercises import REGISTRY, ExerciseFailed, ch00_mistakes  # noqa: F401
+from dtlab.exercises import REGISTRY, ExerciseFailed
 from dtlab.exercises.ch00_memory import fitting_gpus
 
 CHAPTER_0 = [name for name, ex in REGISTRY.items() if ex.chapter == 0]

@@ -9,7 +9,7 @@ storage; chapter 05's budget is 1F1B's arithmetic. The live part, on the
 notebooks' 4 CPU ranks: right answers written differently from the references
 (freeing eagerly or keeping one slot, cloning a slice or chunking, in place or
 not, one buffer reused) stay ACCEPTED; the wrong ones are in the catalogues
-(``dtlab/exercises/ch03_mistakes.py``, ``ch05_mistakes.py``), proven rejected by
+(``tests/mistakes/ch03.py``, ``ch05.py``), proven rejected by
 ``tests/test_exercises.py``.
 """
 

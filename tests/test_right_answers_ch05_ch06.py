@@ -3,7 +3,7 @@ and 06: the 1F1B order, the pipeline executor, the loss scaler the ranks agree o
 and the share fp16 flushes. Each answer was written from what the learner sees (the
 stub cell, the exercise's markdown, the checker's ``measures=``) before the
 reference or the checker's body was read; the wrong answers here are slips a
-learner makes that the catalogues (dtlab/exercises/chNN_mistakes.py) did not hold,
+learner makes that the catalogues (tests/mistakes/chNN.py) did not hold,
 each proven rejected with a message that names its cause. Answers that run on the
 engines travel by value and import what they use."""
 

@@ -16,15 +16,17 @@ A stub (a body that only raises ``NotImplementedError``) is reported as *not
 attempted yet*, not as a failure; with ``DTLAB_SUBSTITUTE_SOLUTIONS=1`` (the test
 command's switch) the reference runs in its place, so every checker runs end to end.
 Each exercise also carries a catalogue of wrong solutions, the mistakes learners
-really make, each with the message its checker must give; ``tests/test_exercises.py``
-proves every one of them rejected (:data:`REGISTRY`, :func:`catalogue`).
+really make, each with the message its checker must give. The catalogues are test
+data: they live in ``tests/mistakes/`` (one module per chapter, registering into
+:data:`REGISTRY` when the tests import them), and ``tests/test_exercises.py`` proves
+every one of them rejected (:func:`catalogue` lists them once loaded). The package
+keeps only the one a chapter shows the learner (:mod:`.ch05_mistakes`).
 
 Per chapter: ``chNN_solutions`` (the references, what :func:`solution` shows),
 ``chNN_<topic>`` (the probes that run on the ranks and the checkers that judge
 them: :mod:`.ch01_collectives` … :mod:`.ch12_frontier`; the framework exercises in
 modules of their own, :mod:`.ch02_torch_ddp` and :mod:`.ch03_fsdp2`, and chapter
-12's third, the owners of sharded Muon, in :mod:`.ch12_muon`) and
-``chNN_mistakes`` (the catalogue of wrong solutions). Shared by all:
+12's third, the owners of sharded Muon, in :mod:`.ch12_muon`). Shared by all:
 :mod:`.grading` (verdicts, stubs, the registry), :mod:`.ranks` (running a probe on
 every rank) and :mod:`.watch` (what a rank's code really did).
 """
@@ -33,22 +35,8 @@ from __future__ import annotations
 
 import inspect
 
-# each chapter's checkers, then its catalogue of mistakes (which registers itself)
-from dtlab.exercises import (  # noqa: F401
-    ch00_mistakes,
-    ch01_mistakes,
-    ch02_mistakes,
-    ch03_mistakes,
-    ch04_mistakes,
-    ch05_mistakes,
-    ch06_mistakes,
-    ch07_mistakes,
-    ch08_mistakes,
-    ch09_mistakes,
-    ch10_mistakes,
-    ch11_mistakes,
-    ch12_mistakes,
-)
+# the one mistake a chapter shows (chapter 05); the catalogues live in tests/mistakes
+from dtlab.exercises import ch05_mistakes  # noqa: F401
 from dtlab.exercises.ch00_memory import check_min_gpus, check_zero2_bytes
 from dtlab.exercises.ch01_collectives import (
     check_ring_all_reduce,
