@@ -46,6 +46,12 @@ SEQUENCES = (  # (what, history length, margin, amax of each tensor in turn)
     ("history length 1", 1, 0.0, (1.0, 3.0, 0.5, 6.0, 2.0)),
     ("margin 1", 4, 1.0, (1.0, 4.0, 2.0, 8.0, 3.0, 0.5)),
     ("all-zero tensors", 4, 0.0, (0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)),
+    # a zero amax while the window still remembers larger ones: the window's max,
+    # not this amax, says whether to keep the scale
+    ("zeros while the window remembers", 4, 0.0, (5.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0)),
+    # margins where 2**margin differs from 1 + margin and from 2**int(margin)
+    ("margin 3", 3, 3.0, (1.0, 2.0, 0.5, 4.0, 1.0)),
+    ("margin 0.5", 2, 0.5, (1.0, 3.0, 2.0, 0.25)),
 )
 JUMP = 4  # the step of the first sequence whose amax jumps past its history
 
@@ -217,9 +223,10 @@ def _judge_loop(solution, what, L, margin, xs, want_saturated) -> None:
     local=True,
     measures=(
         "new history and next scale == dtlab.fp8.DelayedScaling's state at every "
-        "step of 4 hidden sequences (an amax jump, history 1, margin 1, zero "
-        "tensors); the caller's history untouched; in a loop of casts, the "
-        "library's saturated elements, the jump step's included"
+        "step of 7 hidden sequences (an amax jump, history 1, margins 1, 3 and "
+        "0.5, zero tensors, zeros while the window remembers); the caller's "
+        "history untouched; in a loop of casts, the library's saturated elements, "
+        "the jump step's included"
     ),
 )
 def check_delayed_scaling_update(solution, cluster=None):
@@ -234,7 +241,7 @@ def check_delayed_scaling_update(solution, cluster=None):
     assert jump > 0  # its point: the stale scale of the jump step saturates
     return [
         "the rolled history and the next scale of dtlab.fp8.DelayedScaling at every "
-        "step of 4 hidden sequences (an amax jump, history 1, margin 1, zeros)",
+        "step of 7 hidden sequences (an amax jump, history 1, three margins, zeros)",
         "the caller's history and scale left as they were",
         f"driving the casts, it clips what the library clips: {jump:.0%} of the "
         "jump step's elements saturate, the price of a stale scale",
@@ -289,12 +296,33 @@ class _LearnersPipeline(Pipeline):
         where = f"{self.what}: {op} of chunk {chunk}, microbatch {mb}"
         weights_before, inp_before = [_grad_of(q) for q in weights], _grad_of(inp)
         forbidden = {pipeline_executor.backward_pass: "dtlab.pipeline.backward_pass"}
-        with Watch(forbidden) as seen:
-            _run_split(self.solution, op, out, grad, inp, weights, where)
+        # which gradients autograd computes in this pass (a hook fires when a
+        # tensor's gradient is computed, whatever is done with it afterwards)
+        watched = weights if op == "B" else [inp] if inp is not None else []
+        computed = []
+        hooks = [t.register_hook(lambda g: computed.append(1)) for t in watched]
+        try:
+            with Watch(forbidden) as seen:
+                _run_split(self.solution, op, out, grad, inp, weights, where)
+        finally:
+            for h in hooks:
+                h.remove()
         if seen.forbidden:
             raise ExerciseFailed(
                 f"you called {', '.join(seen.forbidden)}: write the split yourself "
                 "(torch.autograd.backward and its inputs= argument)"
+            )
+        if computed:
+            other = "the weights'" if op == "B" else "the input's"
+            raise ExerciseFailed(
+                f"{where}: {op} computed {other} gradients ({len(computed)} of them), "
+                "even if .grad looks untouched afterwards: "
+                + (
+                    "B computes only dL/d(inp) (backward's inputs=); the weights' "
+                    "share is W's work, done later in a bubble"
+                    if op == "B"
+                    else "W computes only dL/d(weights); B already did the input's"
+                )
             )
         if op == "B":
             changed = _changed(weights_before, weights)
@@ -369,8 +397,9 @@ def _model_grads(m, x, y):
     local=True,
     measures=(
         "weight gradients == the plain model's, bit for bit, with dtlab's Pipeline "
-        "running ZB-V and ZB-H1 on one rank through your B and W; after each B the "
-        "weights' .grad unchanged, after each W the input's"
+        "running ZB-V and ZB-H1 on one rank through your B and W; B computes no "
+        "weight gradient and W no input gradient (hooks on autograd), and each "
+        "leaves the other's .grad unchanged"
     ),
 )
 def check_split_backward(solution, cluster=None):

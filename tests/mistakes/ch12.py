@@ -85,7 +85,7 @@ def rolls_in_place(history, scale, amax, fp8_max, margin=0.0):
 
 
 # ---- split_backward ----------------------------------------------------------------
-@mistake("split_backward", expect="B changed the weights' gradients")
+@mistake("split_backward", expect="B computed the weights' gradients")
 def b_computes_everything(op, out, grad, inp, weights):
     """B runs the whole backward (input and weight gradients), then W adds the
     weight gradients again: doubled, and nothing deferred."""
@@ -106,7 +106,7 @@ def b_frees_the_graph(op, out, grad, inp, weights):
         torch.autograd.backward(out, grad, inputs=weights)
 
 
-@mistake("split_backward", expect="W changed the input's gradient")
+@mistake("split_backward", expect="W computed the input's gradients")
 def w_also_reaches_the_input(op, out, grad, inp, weights):
     """W runs the whole backward: the weights get theirs, and the input's gradient,
     already sent upstream, gets a second copy added."""
