@@ -54,7 +54,7 @@ def wrong(key):
 
 def test_every_source_question_has_a_card():
     keys = {c.key for c in CARDS}
-    assert len(keys) == len(CARDS) == 20
+    assert len(keys) == len(CARDS) == 23  # 20, and chapter 12's three
     assert set(SOURCE_QUESTIONS.values()) <= keys
     for card in CARDS:
         assert card.question.endswith("?")
@@ -304,3 +304,9 @@ def test_measurements_agree_with_the_formulas(revealed):
     assert 6 < r["long_context_moe"].value <= 8  # cp = 8 divides activations by ~8
     assert r["why_distribute"].value > 80  # GB of model states for 70B: > one GPU
     assert r["checkpointing"].value > 10  # full checkpointing keeps far less
+    # chapter 12: a jump saturates under delayed scaling only; the simulated V's
+    # bubble is the formula's; owner-compute Muon divides the work by N = 8
+    assert r["fp8_scaling"].value > 0.5
+    assert r["fp8_scaling"].extra["current"] == 0
+    assert r["zero_bubble_v"].value == pytest.approx(r["zero_bubble_v"].predicted)
+    assert r["muon_sharding"].value == pytest.approx(1 / 8)

@@ -3,8 +3,9 @@ the choice sets, and the two constructors the cards' tables use.
 
 The tables themselves, one entry per card of ``cards.ini``:
 :mod:`~dtlab.drill.parts_strategies` (data parallelism, ZeRO/FSDP, tensor,
-pipeline, context and expert parallelism) and
-:mod:`~dtlab.drill.parts_systems` (systems, precision, memory, planning).
+pipeline, context and expert parallelism),
+:mod:`~dtlab.drill.parts_systems` (systems, precision, memory, planning) and
+:mod:`~dtlab.drill.parts_frontier` (chapter 12: FP8, the V schedules, Muon).
 Each number is computed by :mod:`dtlab.estimate` for a concrete scenario; each
 choice set is a multi-select whose misconceptions cost a point. Options are shown
 sorted (the right ones are never first by construction), and a misconception's

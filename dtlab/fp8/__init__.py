@@ -1,6 +1,6 @@
 """FP8 training: matmuls in 8 bits, with a scale per tensor.
 
-Taught in chapter 06 (mixed precision), its FP8 section. After Micikevicius et al.
+Taught in chapter 12 (the frontier), its FP8 section. After Micikevicius et al.
 2022, *FP8 Formats for Deep Learning* (arXiv:2209.05433), and the recipes of NVIDIA's
 Transformer Engine and PyTorch's torchao:
 

@@ -1,6 +1,6 @@
 """The course's GPT trained in fp32, bf16 and FP8 on the same batches: loss curves.
 
-Taught in chapter 06 (mixed precision), its FP8 section. One process, the same
+Taught in chapter 12 (the frontier), its FP8 section. One process, the same
 seeded model and :class:`dtlab.model.SyntheticTokens` batches for every precision,
 plain AdamW on fp32 parameters, so the only difference between the curves is how
 the matmuls round:

@@ -1,6 +1,6 @@
 """The two FP8 formats, their ranges read from torch, and the scaled cast into them.
 
-Taught in chapter 06 (mixed precision), its FP8 section. The formats are those of
+Taught in chapter 12 (the frontier), its FP8 section. The formats are those of
 Micikevicius et al. 2022, *FP8 Formats for Deep Learning* (arXiv:2209.05433), §3:
 
 - **e4m3** (``torch.float8_e4m3fn``): 4 exponent bits, 3 mantissa bits. The "fn"

@@ -1,6 +1,6 @@
 """A Linear layer whose three matmuls run in FP8, and the swap that installs it.
 
-Taught in chapter 06 (mixed precision), its FP8 section. The recipe is the one of
+Taught in chapter 12 (the frontier), its FP8 section. The recipe is the one of
 Micikevicius et al. 2022 (*FP8 Formats for Deep Learning*, §4) that Transformer
 Engine and torchao implement: for ``y = x W^T`` (x: ``(M, K)``, W: ``(N, K)``)
 

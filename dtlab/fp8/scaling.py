@@ -1,6 +1,6 @@
 """Where the scale of each FP8 cast comes from: current or delayed scaling.
 
-Taught in chapter 06 (mixed precision), its FP8 section. Both recipes give one fp32
+Taught in chapter 12 (the frontier), its FP8 section. Both recipes give one fp32
 scale per tensor (Micikevicius et al. 2022, *FP8 Formats for Deep Learning*, §4.3)
 and use Transformer Engine's rule ``scale = max / (amax · 2^margin)``
 (:func:`dtlab.fp8.formats.scale_from_amax`).

@@ -1,6 +1,6 @@
 """FP8 on the wire: all-gathering FP8 weight shards, and what FP8 saves per parameter.
 
-Taught in chapter 06 (mixed precision), its FP8 section, with chapter 03's FSDP in
+Taught in chapter 12 (the frontier), its FP8 section, with chapter 03's FSDP in
 mind. Under FSDP (ZeRO-3) every layer's weight is all-gathered before its forward and
 again before its backward. If the matmul reads the weight in FP8 anyway, the shards
 can be cast *before* the gather and travel at 1 byte per parameter instead of bf16's

@@ -1,8 +1,9 @@
 """Muon, the optimizer that does not shard like Adam: one process, and two ways
 across data-parallel ranks.
 
-Taught with ZeRO (chapter 03). Jordan et al. 2024 (Muon); Liu et al. 2025, "Muon is
-Scalable for LLM Training" (Moonshot AI), for the sharded step.
+Taught in chapter 12 (the frontier), after ZeRO (chapter 03). Jordan et al. 2024
+(Muon); Liu et al. 2025, "Muon is Scalable for LLM Training" (Moonshot AI), for the
+sharded step.
 
 - :mod:`dtlab.muon.optimizer`: :func:`newton_schulz`, :class:`Muon` (equal to
   ``torch.optim.Muon``), :func:`split_params` (which parameters Muon takes, which go

@@ -1,9 +1,9 @@
 """Muon across data-parallel ranks, two ways: ``ShardedMuon(design="naive")`` and
 ``ShardedMuon(design="owner")``.
 
-Taught with ZeRO (chapter 03): the optimizer that does not shard like Adam. ZeRO-1
-(Rajbhandari et al. 2020, §5.1) lets rank r step any flat slice of the parameters
-because Adam is element-wise. Muon's Newton–Schulz step
+Taught in chapter 12 (the frontier), after ZeRO (chapter 03): the optimizer that
+does not shard like Adam. ZeRO-1 (Rajbhandari et al. 2020, §5.1) lets rank r step
+any flat slice of the parameters because Adam is element-wise. Muon's Newton–Schulz step
 (:func:`~dtlab.muon.newton_schulz`) needs the *whole* matrix, so a slice is not
 enough. Two answers:
 

@@ -1,6 +1,6 @@
 """Zero-bubble schedules in a V: ZB-V and DualPipeV, as data.
 
-Taught in chapter 05 (pipeline parallelism), after ZB-H1
+Taught in chapter 12 (the frontier), after chapter 05's ZB-H1
 (:func:`dtlab.pipeline.schedules.zb_h1`). Like :mod:`dtlab.pipeline.schedules`,
 pure functions of data: no process group.
 

@@ -19,6 +19,7 @@ import torch
 
 from dtlab import estimate, pipeline
 from dtlab.ddp import DataParallel
+from dtlab.lab.drill.measurements_frontier import FRONTIER
 from dtlab.lab.engine.drill import BATCH, CFG, rank_measurements
 from dtlab.model import GPT, SyntheticTokens
 
@@ -487,3 +488,6 @@ MEASUREMENTS: dict[str, Callable[[Context], Measurement]] = {
         embedding_table_sharding,
     )
 }
+MEASUREMENTS.update(  # chapter 12's cards: FP8, the V, sharded Muon
+    {name: (lambda ctx, f=f: Measurement(**f(ctx))) for name, f in FRONTIER.items()}
+)
