@@ -160,9 +160,9 @@ class Replicated:
     def stats(self) -> dict:
         """DDP's bucket timings and a digest of the replica (equal on every rank
         iff the replicas are); ``{}`` without DDP."""
-        sync = self.ddp.last_sync if self.ddp is not None else {}
-        if not sync:
+        if self.ddp is None:
             return {}
+        sync = self.ddp.last_sync  # {} until DDP's first synchronization
         with torch.no_grad():
             digest = sum(
                 float(p.double().sum()) * (i + 1)

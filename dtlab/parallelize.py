@@ -15,7 +15,9 @@ rank's modules, their data-parallel wrappers, the pipeline executor and the opti
    first, because everything after it must see the *sharded* parameters: the
    pipeline sends tp-sized activations, checkpointing recomputes the tp collectives,
    ZeRO flattens the tp shards, the optimizer steps them.
-2. **Pipeline partitioning** (chapter 05): this rank keeps its stage(s) only. With
+2. **Pipeline partitioning** (chapter 05): this rank keeps its stage(s) only, placed
+   as the schedule places them (interleaved chunks ``c·p + r``, or a V's ``r`` and
+   ``2p-1-r``: chapter 12). With
    tp > 1 each stage (built by parameter name, so it matches the single-process GPT)
    is split over tp: vocab-parallel embedding on the first stage, column-parallel
    head and vocab-parallel cross-entropy on the last; a tied embedding is summed
@@ -45,9 +47,9 @@ the dp ranks hold disjoint slices). A plain replica (DDP over dp alone) measures
 as ``clip_grad_norm_`` does, so chapter 02's run equals the reference bit for bit.
 
 What does not compose, and why (:func:`dtlab.config.check_composition` says so
-before anything runs): ZB-H1 with ZeRO (its split backward computes input and
-weight gradients in two passes, while ZeRO reduce-scatters a unit's gradient when
-the unit's backward ends).
+before anything runs): a split-backward schedule (ZB-H1, ZB-V, DualPipeV) with
+ZeRO (its backward computes input and weight gradients in two passes, while ZeRO
+reduce-scatters a unit's gradient when the unit's backward ends).
 """
 
 from __future__ import annotations
