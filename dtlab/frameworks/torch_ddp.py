@@ -187,8 +187,16 @@ def _spawned(index: int, world_size: int, config_dict: dict, out_dir: str) -> No
         write_rank_record(
             out_dir, _rank_record(config, found, "TCPStore on 127.0.0.1 (rank 0)")
         )
+        dist.barrier()  # no rank tears its sockets down under a peer's op
     finally:
         dist.destroy_process_group()
+    # the record is written and the world destroyed: leave without the interpreter's
+    # teardown, where a thread gloo left behind aborted one spawned rank in one run
+    # of several ("terminate called without an active exception", SIGABRT); exit
+    # code 0 is what torch.multiprocessing.spawn's join waits for
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _under_torchrun(config, out_dir: str) -> None:
