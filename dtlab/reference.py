@@ -29,6 +29,7 @@ __all__ = [
     "reference_step",
     "amp_reference_step",
     "train_reference",
+    "accumulated_gradients",
 ]
 
 
@@ -161,3 +162,20 @@ def train_reference(
             }
         )
     return result
+
+
+def accumulated_gradients(
+    config: GPTConfig, x: torch.Tensor, y: torch.Tensor, m: int, seed: int = 0
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """What one pipeline step must compute, in one process: gradient accumulation
+    of ``L_i / m`` over the ``m`` microbatches of ``(x, y)`` (``tensor_split``, as
+    :class:`dtlab.pipeline.Pipeline` splits them), on the GPT ``config`` builds with
+    ``seed``. Returns the mean loss and ``{name: gradient}``."""
+    model = GPT(config, seed)
+    losses = []
+    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
+        _, loss = model(xi, yi)
+        (loss / m).backward()
+        losses.append(loss.detach())
+    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
+    return torch.stack(losses).mean().item(), grads

@@ -43,6 +43,7 @@ from dtlab.pipeline import (
     validate,
     zb_h1,
 )
+from dtlab.reference import accumulated_gradients
 from dtlab.topology import Layout, Topology
 
 # 8 layers: 2 per stage on p=4, one per virtual stage with v=2
@@ -254,22 +255,10 @@ def test_stages_hold_the_full_models_weights(tied):
         partition(cfg, 3)
 
 
-def _microbatch_grads(cfg, x, y, m, seed=0):
-    """One process, gradient accumulation of L_i / m over the same microbatches."""
-    model = GPT(cfg, seed)
-    losses = []
-    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
-        _, loss = model(xi, yi)
-        (loss / m).backward()
-        losses.append(loss.detach())
-    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
-    return torch.stack(losses).mean().item(), grads
-
-
 def test_one_stage_pipeline_is_the_model():
     # pp=1 without any process group: every schedule reduces to gradient accumulation
     x, y = _batch()
-    loss, ref = _microbatch_grads(CFG, x, y, 4)
+    loss, ref = accumulated_gradients(CFG, x, y, 4)
     for name in ("gpipe", "1f1b", "zb_h1"):
         pipe = Pipeline(CFG, Topology(Layout(), 0), name, microbatches=4)
         out = pipe.step(x, y)
@@ -342,7 +331,7 @@ def _expected(case):
     dp = 4 // pp
     losses, grads = [], []
     for d in range(dp):
-        loss, g = _microbatch_grads(cfg, *shard_batch(*_batch(), d, dp), m)
+        loss, g = accumulated_gradients(cfg, *shard_batch(*_batch(), d, dp), m)
         losses.append(loss)
         grads.append(g)
     avg = {

@@ -46,6 +46,7 @@ from dtlab.pipeline import (
     zb_v,
     zero_bubble,
 )
+from dtlab.reference import accumulated_gradients
 from dtlab.topology import Layout, Topology
 
 # 8 layers: 2 per virtual stage on p = 2 (4 stages in the V), 1 on p = 4
@@ -341,22 +342,10 @@ def test_bubble_zb_v_below_zb_h1_below_1f1b_and_memory_of_each():
 
 
 # ---- one process: the V on a single rank ---------------------------------------------
-def _microbatch_grads(cfg, x, y, m, seed=0):
-    """One process, gradient accumulation of L_i / m over the same microbatches."""
-    model = GPT(cfg, seed)
-    losses = []
-    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
-        _, loss = model(xi, yi)
-        (loss / m).backward()
-        losses.append(loss.detach())
-    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
-    return torch.stack(losses).mean().item(), grads
-
-
 def test_a_v_on_one_rank_is_the_model():
     # p = 1: both chunks on rank 0, every hand-over local, no process group
     x, y = _batch()
-    loss, ref = _microbatch_grads(CFG, x, y, 4)
+    loss, ref = accumulated_gradients(CFG, x, y, 4)
     for name in V_BUILDERS:
         pipe = Pipeline(CFG, Topology(Layout(), 0), name, microbatches=4)
         assert len(pipe.stages) == 2
@@ -490,7 +479,7 @@ def _gathered(per_rank, i):
 def _check_against_one_process(per_rank, cases, p):
     x, y = _batch()
     for i, (name, m, tied) in enumerate(cases):
-        loss, ref = _microbatch_grads(TIED if tied else CFG, x, y, m)
+        loss, ref = accumulated_gradients(TIED if tied else CFG, x, y, m)
         s = make_schedule(name, p, m)
         for r, res in enumerate(per_rank):
             stats = res["cases"][i]["stats"]

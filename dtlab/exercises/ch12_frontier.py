@@ -28,9 +28,10 @@ from dtlab.exercises.watch import Watch
 from dtlab.fp8 import DelayedScaling
 from dtlab.fp8.formats import amax as amax_of
 from dtlab.fp8.formats import fp8_format, saturated_fraction, scale_from_amax
-from dtlab.model import GPT, GPTConfig, SyntheticTokens, param_generator
+from dtlab.model import GPTConfig, SyntheticTokens, param_generator
 from dtlab.pipeline import Pipeline
 from dtlab.pipeline import executor as pipeline_executor
+from dtlab.reference import accumulated_gradients
 from dtlab.topology import Layout, Topology
 
 __all__ = ["check_delayed_scaling_update", "check_split_backward"]
@@ -377,19 +378,6 @@ def _run_split(solution, op, out, grad, inp, weights, where) -> None:
         raise ExerciseFailed(f"{where}: your function raised {text}") from exc
 
 
-def _model_grads(m, x, y):
-    """The plain model, one process: gradient accumulation of L_i / m over the
-    same microbatches (what Pipeline.step promises)."""
-    model = GPT(PIPE_CFG, 0)
-    losses = []
-    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
-        _, loss = model(xi, yi)
-        (loss / m).backward()
-        losses.append(loss.detach())
-    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
-    return torch.stack(losses).mean().item(), grads
-
-
 @exercise(
     "split_backward",
     chapter=12,
@@ -405,7 +393,7 @@ def _model_grads(m, x, y):
 def check_split_backward(solution, cluster=None):
     x, y = SyntheticTokens(PIPE_CFG.vocab_size, PIPE_CFG.seq_len).batch(0, PIPE_BATCH)
     for what, name, m in PIPE_CASES:
-        want_loss, want = _model_grads(m, x, y)
+        want_loss, want = accumulated_gradients(PIPE_CFG, x, y, m)
         topo = Topology(Layout(), 0)
         pipe = _LearnersPipeline(solution, what, PIPE_CFG, topo, name, microbatches=m)
         loss = pipe.step(x, y)["loss"]
