@@ -38,6 +38,7 @@ __all__ = [
     "apply_update",
     "check_matrices",
     "check_hyperparameters",
+    "muon_defaults",
     "Muon",
     "ParamSplit",
     "split_params",
@@ -164,17 +165,10 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = NS_STEPS,
         adjust_lr_fn: str | None = None,
     ) -> None:
-        check_hyperparameters(lr, momentum, weight_decay, adjust_lr_fn)
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
+        defaults = muon_defaults(
+            lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
+            adjust_lr_fn,
+        )  # fmt: skip
         super().__init__(params, defaults)
         check_matrices([p for g in self.param_groups for p in g["params"]])
 
@@ -199,6 +193,31 @@ class Muon(torch.optim.Optimizer):
                 step_lr = adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"])
                 apply_update(p, ortho, group["lr"], group["weight_decay"], step_lr)
         return loss
+
+
+def muon_defaults(
+    lr: float = 1e-3,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = NS_EPS,
+    ns_steps: int = NS_STEPS,
+    adjust_lr_fn: str | None = None,
+) -> dict:
+    """``torch.optim.Muon``'s options, checked, as an optimizer's ``defaults``: the
+    one place :class:`Muon` and :class:`dtlab.muon.ShardedMuon` spell them."""
+    check_hyperparameters(lr, momentum, weight_decay, adjust_lr_fn)
+    return dict(
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns_coefficients=ns_coefficients,
+        eps=eps,
+        ns_steps=ns_steps,
+        adjust_lr_fn=adjust_lr_fn,
+    )
 
 
 def check_hyperparameters(lr, momentum, weight_decay, adjust_lr_fn) -> None:

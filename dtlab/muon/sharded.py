@@ -50,14 +50,11 @@ from dtlab.muon.estimate import (
     slice_size,
 )
 from dtlab.muon.optimizer import (
-    NS_COEFFICIENTS,
-    NS_EPS,
-    NS_STEPS,
     adjusted_lr,
     apply_update,
-    check_hyperparameters,
     check_matrices,
     momentum_input,
+    muon_defaults,
     newton_schulz,
 )
 
@@ -83,31 +80,9 @@ class ShardedMuon(torch.optim.Optimizer):
     (:attr:`owned`), none of the others."""
 
     def __init__(
-        self,
-        params,
-        process_group=None,
-        design: str = "owner",
-        lr: float = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-        eps: float = NS_EPS,
-        ns_steps: int = NS_STEPS,
-        adjust_lr_fn: str | None = None,
+        self, params, process_group=None, design: str = "owner", **options
     ) -> None:
-        check_hyperparameters(lr, momentum, weight_decay, adjust_lr_fn)
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, muon_defaults(**options))
         self.design = one_of("design", design, DESIGNS)
         # (parameter, its group) in one fixed order: the order of every collective
         self._entries = [(p, g) for g in self.param_groups for p in g["params"]]
