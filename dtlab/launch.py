@@ -197,7 +197,33 @@ def rank_error(failures, what: str = "") -> RankError:
     return RankError(rank, message, tb.strip(), doing)
 
 
-def _worker(rank, world_size, fn, args, kwargs, store_file, backend, timeout, results):
+# What a fresh rank imports before it can do anything: torch alone is ~1.5 s of CPU.
+_PRELOAD = ["torch", "torch.distributed", "dtlab.launch", "dtlab.train"]
+
+
+def process_context():
+    """The multiprocessing context :func:`spawn` starts ranks from.
+
+    ``forkserver`` where the platform has it: one server process imports torch and
+    dtlab once, and each rank is forked from it (~0.1 s instead of ~1.9 s for two
+    fresh interpreters, measured on this course's 2-core machine). The server is
+    started clean (like ``spawn``, never a fork of a threaded parent) and exits with
+    its parent. ``spawn`` elsewhere (Windows). Either way ``fn`` must be importable
+    by name.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(
+    rank, world_size, fn, args, kwargs, store_file, backend, timeout, results, env
+):
+    # a forked rank inherits the server's environment, not the caller's current one
+    os.environ.clear()
+    os.environ.update(env)
     torch.set_num_threads(1)
     failure = None
     try:
@@ -233,7 +259,8 @@ def spawn(
     join_timeout: float | None = None,
     **kwargs,
 ):
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes, each with the
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes (see
+    :func:`process_context`), each with the
     default process group initialised; return the results in rank order.
 
     ``fn`` must be importable by name (a module-level function), and its result
@@ -245,7 +272,7 @@ def spawn(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     join_timeout = join_timeout if join_timeout is not None else 2 * timeout + 60
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="dtlab-store-")
     store_file = os.path.join(tmp, "store")
@@ -262,6 +289,7 @@ def spawn(
                 backend,
                 timeout,
                 results,
+                dict(os.environ),
             ),
             daemon=True,
             name=f"dtlab-rank{r}",

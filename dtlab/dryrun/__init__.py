@@ -38,7 +38,6 @@ plan's scale.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import time
@@ -216,8 +215,9 @@ def _run_ranks(config, world_size, ranks, timeout, jobs) -> dict[int, dict]:
     its share one after another (:func:`dtlab.dryrun.child.run_ranks`); every
     process is stopped before this returns or raises."""
     from dtlab.dryrun.child import run_ranks
+    from dtlab.launch import process_context
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results = ctx.Queue()
     shares = [ranks[i::jobs] for i in range(jobs)]
     procs = []  # (process, its ranks still to report, when it last reported)
