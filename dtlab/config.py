@@ -303,13 +303,12 @@ def _check_beyond_3d(config, layout, zero: bool) -> None:
     """What context and expert parallelism compose with (chapter 11)."""
     mc, cp, ep = config.model, layout.cp, layout.ep
     if cp > 1:
-        for axis in ("tp", "pp"):
-            if layout.size(axis) > 1:
-                raise ValueError(
-                    f"cp={cp} with {axis}={layout.size(axis)} is not composed in "
-                    "dtlab: context parallelism runs a whole GPT's attention over "
-                    f"the cp ranks; put the ranks on dp, cp and ep, with {axis}=1"
-                )
+        if config.schedule in SPLIT_BACKWARD and layout.pp > 1:
+            raise ValueError(
+                f"schedule {config.schedule!r} with cp={cp} is not composed in dtlab: "
+                "its deferred weight-gradient pass would run the ring's backward (and "
+                "its collectives) a second time; use '1f1b' or 'interleaved'"
+            )
         if config.activation_checkpointing != "none":
             raise ValueError(
                 "activation checkpointing with cp > 1 is not composed in dtlab: the "
@@ -322,11 +321,17 @@ def _check_beyond_3d(config, layout, zero: bool) -> None:
                 f"chunks of the sequence: seq_len={mc.seq_len} must be a multiple "
                 f"of {2 * cp}"
             )
-        if config.cp_variant == "ulysses" and (mc.seq_len % cp or mc.n_heads % cp):
+        heads = mc.n_heads // layout.tp  # the heads a tp rank computes
+        if config.cp_variant == "ulysses" and (mc.seq_len % cp or heads % cp):
             raise ValueError(
                 f"Ulysses gives each of cp={cp} ranks seq_len/cp tokens, then "
-                f"n_heads/cp heads: seq_len={mc.seq_len} and n_heads={mc.n_heads} "
-                f"must be multiples of {cp}"
+                f"1/cp of the heads a rank computes: seq_len={mc.seq_len} and "
+                f"n_heads/tp={heads} must be multiples of {cp}"
+            )
+        if config.sequence_parallel and (mc.seq_len // cp) % layout.tp:
+            raise ValueError(
+                f"sequence parallelism splits a cp rank's seq_len/cp="
+                f"{mc.seq_len // cp} tokens over tp={layout.tp}: make it a multiple"
             )
     if mc.n_experts > 1:
         for axis in ("tp", "pp"):

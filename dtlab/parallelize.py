@@ -21,9 +21,10 @@ rank's modules, their data-parallel wrappers, the pipeline executor and the opti
    tp > 1 each stage (built by parameter name, so it matches the single-process GPT)
    is split over tp: vocab-parallel embedding on the first stage, column-parallel
    head and vocab-parallel cross-entropy on the last; a tied embedding is summed
-   over the first and last stage, shard by shard. Beyond 3D (tp = pp = 1, chapter
-   11), this step is **expert parallelism** (each rank keeps its experts) and then
-   **context parallelism** (every sequence split over cp) on the whole model.
+   over the first and last stage, shard by shard. Beyond 3D (chapter 11), this
+   step is also **expert parallelism** (tp = pp = 1: each rank keeps its experts)
+   and, last, **context parallelism** (every sequence split over cp; with tp and pp
+   too: attention's core, on the rank's own heads, runs over the cp ranks).
 3. **Activation checkpointing** (Chen et al. 2016; Korthikanti et al. 2022, §5;
    :mod:`dtlab.recompute`) on each transformer block, before any wrapper, so the
    wrappers' hooks see the blocks' outputs: ``full`` keeps a block's input and
@@ -204,9 +205,10 @@ def parallelize(config, topo: Topology, device: torch.device) -> Parallelized:
 def apply_model_parallel(config, topo: Topology, device) -> list[nn.Module]:
     """Steps 1 and 2: this rank's modules. Every rank first builds the plain module
     (its weights drawn per parameter name, so any slice of the model matches the
-    single-process GPT), keeps its pipeline stage(s), then its tp slices. Beyond 3D
-    (tp = pp = 1): expert parallelism keeps this rank's experts, context parallelism
-    splits every sequence (attention then reaches the other cp ranks)."""
+    single-process GPT), keeps its pipeline stage(s), then its tp slices. Beyond 3D:
+    expert parallelism (tp = pp = 1) keeps this rank's experts; context parallelism,
+    last, splits every sequence on whatever this rank holds (the GPT, or its tp
+    stages): each attention core then reaches the other cp ranks."""
     mc, layout, sp = config.model, topo.layout, config.sequence_parallel
     tp, pp = topo.axis("tp"), topo.axis("pp")
     if layout.pp == 1:
@@ -215,10 +217,6 @@ def apply_model_parallel(config, topo: Topology, device) -> list[nn.Module]:
             from dtlab.moe import expert_parallel_gpt
 
             expert_parallel_gpt(modules[0], topo.axis("ep"))
-        if layout.cp > 1:
-            from dtlab.context_parallel import apply_context_parallel
-
-            apply_context_parallel(modules[0], topo.axis("cp"), config.cp_variant)
     else:  # the stages as the schedule places them (interleaved, or a V)
         from dtlab.pipeline import build_stages, make_schedule
 
@@ -243,6 +241,11 @@ def apply_model_parallel(config, topo: Topology, device) -> list[nn.Module]:
                 )
                 for s in modules
             ]
+    if layout.cp > 1:  # on what this rank holds: the GPT, or its (tp) stages
+        from dtlab.context_parallel import apply_context_parallel
+
+        for module in modules:
+            apply_context_parallel(module, topo.axis("cp"), config.cp_variant)
     for module in modules:
         module.to(device).train()  # its GPU under nccl
         if sp:
@@ -360,9 +363,9 @@ def apply_precision(parts: Parallelized) -> None:
 
 
 def replica_axis(topo: Topology):
-    """The ranks that hold the same dense weights: dp, or dp·cp with context
-    parallelism (its ranks split sequences, not weights)."""
-    return topo.axis("dp_cp") if topo.layout.cp > 1 else topo.axis("dp")
+    """The ranks that hold the same dense weights (:meth:`Topology.replicas
+    <dtlab.topology.Topology.replicas>`)."""
+    return topo.replicas()
 
 
 def expert_parameters(module) -> list[nn.Parameter]:

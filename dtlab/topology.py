@@ -317,6 +317,11 @@ class Topology:
         _check_axis(name)
         return self._axes[name]
 
+    def replicas(self) -> Axis:
+        """The ranks that hold the same dense weights: dp, or dp·cp with context
+        parallelism (its ranks split sequences, not weights)."""
+        return self.axis("dp_cp" if self.layout.cp > 1 else "dp")
+
     def group(self, name: str):
         if self.released:
             raise RuntimeError(

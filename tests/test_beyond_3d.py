@@ -1,5 +1,7 @@
 """Beyond 3D through ``TrainConfig``: every 4-rank layout with a cp or ep axis that
-composes, and two 8-rank layouts over three axes (dp · cp · ep), train to the
+composes (cp with tp, sequence parallelism and pp included), and three 8-rank
+layouts over three axes (dp · cp · ep, and tp · pp · cp, Llama 3's long-context
+layout in miniature), train to the
 single-process reference's loss curve; the layouts that do not compose are refused
 before anything runs, saying why.
 
@@ -48,18 +50,26 @@ LAYOUTS_4 = [  # tp = pp = 1; ep divides dp·cp
     (Layout(dp=2, cp=2, ep=4), "ulysses", "ddp"),
     (Layout(cp=4, ep=2), "ring", "ddp"),
     (Layout(cp=4, ep=4), "ring", "ddp"),
+    # cp with tp and pp: each attention core, on the rank's own heads, over cp
+    (Layout(tp=2, cp=2), "ring", "ddp"),
+    (Layout(tp=2, cp=2), "ulysses", "zero3"),
+    (Layout(tp=2, cp=2), "ring", "ddp", {"sequence_parallel": True}),
+    (Layout(pp=2, cp=2), "ring", "ddp"),
+    (Layout(pp=2, cp=2), "ulysses", "zero1"),
 ]
 LAYOUTS_8 = [
     (Layout(dp=4, cp=2, ep=2), "ring", "ddp"),
     (Layout(dp=2, cp=4, ep=4), "ulysses", "ddp"),
+    # Llama 3's 128K layout (tp8·cp16·pp16·dp8) in miniature
+    (Layout(tp=2, pp=2, cp=2), "ring", "ddp", {"sequence_parallel": True}),
 ]
 
 
-def _config(layout, variant, strategy):
+def _config(layout, variant, strategy, extra=None):
     model = MOE if layout.ep > 1 else DENSE
     return TrainConfig(
         model=model, layout=layout, strategy=strategy, steps=STEPS,
-        global_batch_size=B, cp_variant=variant or "ring",
+        global_batch_size=B, cp_variant=variant or "ring", **(extra or {}),
     )  # fmt: skip
 
 
@@ -84,9 +94,9 @@ def _check(runs, cases):
         name: train_reference(model, steps=STEPS, global_batch_size=B)
         for name, model in (("dense", DENSE), ("moe", MOE))
     }
-    for i, (layout, variant, strategy) in enumerate(cases):
+    for i, (layout, variant, strategy, *extra) in enumerate(cases):
         ref = refs["moe" if layout.ep > 1 else "dense"]
-        what = f"{layout} {variant} {strategy}"
+        what = f"{layout} {variant} {strategy} {extra}"
         for rank_runs in runs:
             got = rank_runs[i]
             assert got["losses"] == pytest.approx(ref.losses, rel=2e-6), what
@@ -138,8 +148,9 @@ IGNORED_AXES = ("world",)
 
 @pytest.mark.cluster
 def test_bytes_per_axis_equal_the_estimate(lab_cluster):
-    """Ring and Ulysses move exactly what estimate.layout_traffic says, on cp, and
-    the gradients on dp·cp, and keep the activations layout_memory counts
+    """Ring and Ulysses move exactly what estimate.layout_traffic says, on cp (with
+    tp too: on the rank's own heads), and the gradients on dp·cp, and keep the
+    activations layout_memory counts
     (``activations="dtlab"``); expert parallelism's all-to-alls depend on the routing
     (the estimate assumes it uniform): within the imbalance a 4-expert top-2 router
     of random init shows, and its gradients exactly."""
@@ -149,6 +160,8 @@ def test_bytes_per_axis_equal_the_estimate(lab_cluster):
         (Layout(dp=2, cp=2), "ring", "ddp"),
         (Layout(cp=4), "ulysses", "ddp"),
         (Layout(dp=4, ep=2), None, "ddp"),
+        (Layout(tp=2, cp=2), "ring", "ddp"),
+        (Layout(tp=2, cp=2), "ulysses", "ddp", {"sequence_parallel": True}),
     ]
     configs = [_config(*case) for case in cases]
     runs = lab_cluster(4).run(_bytes_per_axis, configs, timeout=600)
@@ -157,7 +170,7 @@ def test_bytes_per_axis_equal_the_estimate(lab_cluster):
         want = {k: v for k, v in predicted_traffic(config, layout).items() if v}
         for rank_runs in runs:
             got = {k: v for k, v in rank_runs[i].items() if k not in IGNORED_AXES}
-            for axis in ("cp", "dp_cp", "dp"):
+            for axis in ("cp", "dp_cp", "dp", "tp"):
                 if axis in want:
                     # the metrics' all-reduce of one loss rides on the same axis
                     assert got[axis] == pytest.approx(want[axis], abs=64), axis
@@ -216,8 +229,10 @@ def test_hsdp_through_the_trainer_matches_the_reference(lab_cluster):
 @pytest.mark.parametrize(
     "layout, changes, message",
     [
-        (Layout(dp=2, tp=2, cp=2), {}, "cp=2 with tp=2 is not composed"),
-        (Layout(pp=2, cp=2), {}, "cp=2 with pp=2 is not composed"),
+        (Layout(pp=2, cp=2), {"schedule": "zb_h1"}, "ring's backward"),
+        (Layout(tp=4, cp=2), {"sequence_parallel": True, "model": DENSE.__class__(
+            n_heads=4, seq_len=12)}, "seq_len/cp=6"),
+        (Layout(tp=2, cp=4), {"cp_variant": "ulysses"}, "n_heads/tp=2"),
         (Layout(cp=4), {"activation_checkpointing": "full"}, "checkpointing"),
         (Layout(cp=4), {"model": DENSE.__class__(seq_len=12)}, "multiple of 8"),
         (Layout(cp=4), {"cp_variant": "ulysses", "model": GPTConfig(n_heads=2)},

@@ -28,8 +28,10 @@ Where each piece lives:
 - :mod:`~dtlab.context_parallel.ulysses`: the all-to-all (:class:`SeqAllToAll`) and
   :func:`ulysses_attention`;
 - :mod:`~dtlab.context_parallel.model`: :class:`ContextParallelAttention` (a
-  drop-in for dtlab.model's attention, same weights) and
-  :func:`context_parallel_gpt`, the whole GPT, with the gradient all-reduce over cp.
+  drop-in for dtlab.model's attention, same weights),
+  :func:`context_parallel_gpt`, the whole GPT, with the gradient all-reduce over cp,
+  and :func:`apply_context_parallel`, which composed layouts use on a GPT or on its
+  pipeline and tensor-parallel stages (:func:`context_parallel_core`).
 
 The estimates: :func:`dtlab.estimate.cp_bytes_per_layer`,
 :func:`~dtlab.estimate.cp_bytes_per_step` and
@@ -41,7 +43,9 @@ from dtlab.context_parallel.model import (
     ContextParallelGPT,
     all_reduce_gradients,
     apply_context_parallel,
+    context_parallel_core,
     context_parallel_gpt,
+    cp_core,
 )
 from dtlab.context_parallel.ring import (
     RingAttention,
@@ -83,6 +87,8 @@ __all__ = [
     # model
     "ContextParallelAttention",
     "apply_context_parallel",
+    "context_parallel_core",
+    "cp_core",
     "ContextParallelGPT",
     "context_parallel_gpt",
     "all_reduce_gradients",

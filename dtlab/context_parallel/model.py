@@ -18,6 +18,8 @@ the same reduction as dp's, over dp·cp ranks).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -32,6 +34,8 @@ from dtlab.model import GPT, CausalSelfAttention
 
 __all__ = [
     "apply_context_parallel",
+    "context_parallel_core",
+    "cp_core",
     "ContextParallelAttention",
     "ContextParallelGPT",
     "context_parallel_gpt",
@@ -70,10 +74,40 @@ class ContextParallelAttention(CausalSelfAttention):
     def core(self, q, k, v):
         """This rank's ``(B, nh, T/cp, hs)`` queries, keys and values -> its
         attention output over the whole sequence, ``(B, nh, T/cp, hs)``."""
-        if self.variant == "ring":
-            return ring_attention(q, k, v, self.group, tag=self.name)
-        local = super().core  # the single-process core, on nh/cp heads
-        return ulysses_attention(q, k, v, self.group, local, tag=self.name)
+        return cp_core(q, k, v, self.group, self.variant, super().core, self.name)
+
+
+def cp_core(q, k, v, group, variant: str, local_core, tag: str):
+    """The attention core over the cp group: this rank's ``(B, heads, T/cp, hs)``
+    queries, keys and values -> its output over the whole sequence. ``heads`` are
+    the heads this rank computes (all of them, or ``n_heads/tp`` under tensor
+    parallelism: heads never meet, so cp and tp compose). ``local_core``, the
+    single-process core, is what Ulysses runs on its ``heads/cp`` heads."""
+    if variant == "ring":
+        return ring_attention(q, k, v, group, tag=tag)
+    return ulysses_attention(q, k, v, group, local_core, tag=tag)
+
+
+def context_parallel_core(
+    attn: nn.Module, group, variant: str = "ring", *, name="attn"
+):
+    """Make ``attn``'s core run over the cp group ``group``, in place: a
+    :class:`dtlab.model.CausalSelfAttention` or a tensor-parallel
+    :class:`dtlab.tensor_parallel.ParallelSelfAttention` (its f and g, q, k, v and
+    proj work token by token and stay as they are). Idempotent."""
+    variant = one_of("context-parallel variant", variant, CP_VARIANTS)
+    if isinstance(attn.core, functools.partial) and attn.core.func is cp_core:
+        return attn
+    if variant == "ring" and attn.attn_drop.p > 0:
+        raise ValueError(
+            f"ring attention has no attention dropout (dropout={attn.attn_drop.p}): "
+            "use dropout=0.0, or variant='ulysses'"
+        )
+    # an instance attribute: the class's core stays the single-process one
+    attn.core = functools.partial(
+        cp_core, group=group, variant=variant, local_core=attn.core, tag=name
+    )
+    return attn
 
 
 def all_reduce_gradients(module: nn.Module, group, *, tag: str = "cp/grads") -> None:
@@ -84,25 +118,32 @@ def all_reduce_gradients(module: nn.Module, group, *, tag: str = "cp/grads") -> 
     all_reduce_flat(grads, group, tag=tag, divide_by=comm.group_size(group))
 
 
-def apply_context_parallel(model: GPT, group, variant: str = "ring") -> GPT:
+def apply_context_parallel(model: nn.Module, group, variant: str = "ring"):
     """Split ``model``'s sequences over the cp group ``group``, in place (names and
-    weights unchanged, what a composed layout needs): every block's attention
-    becomes a :class:`ContextParallelAttention`, and ``model.positions`` the global
-    positions of this rank's ``T/cp`` tokens. The model then takes this rank's
-    tokens (:func:`~dtlab.context_parallel.shard_sequence`) and returns the mean
-    loss over them; the gradients are averaged over cp (with dp, over dp·cp)."""
+    weights unchanged, what a composed layout needs): every block's attention core
+    runs over cp (:func:`context_parallel_core`), and ``model.positions`` gives the
+    global positions of this rank's ``T/cp`` tokens. ``model`` is a
+    :class:`dtlab.model.GPT`, a pipeline stage
+    (:class:`~dtlab.pipeline.StageModule`) or a tensor-parallel one
+    (:class:`~dtlab.tensor_parallel.TensorParallelStage`): anything with ``blocks``
+    and ``positions``. It then takes this rank's tokens
+    (:func:`~dtlab.context_parallel.shard_sequence`) and returns the mean loss over
+    them; the gradients are averaged over cp (with dp, over dp·cp)."""
     variant = one_of("context-parallel variant", variant, CP_VARIANTS)
     cp, index = comm.group_size(group), comm.group_rank(group)
-    if variant == "ulysses" and model.config.n_heads % cp:
+    heads = model.config.n_heads // _tp_size(model)  # the heads this rank computes
+    if variant == "ulysses" and heads % cp:
         raise ValueError(
-            f"Ulysses splits the heads over cp={cp}: n_heads={model.config.n_heads} "
-            "is not a multiple of it; use variant='ring' or another cp"
+            f"Ulysses splits the heads over cp={cp}: the {heads} heads this rank "
+            f"computes (n_heads={model.config.n_heads}) are not a multiple of it; "
+            "use variant='ring' or another cp"
         )
-    for i, block in enumerate(model.blocks):
-        if not isinstance(block.attn, ContextParallelAttention):
-            block.attn = ContextParallelAttention(
-                block.attn, group, variant, name=f"blocks.{i}.attn"
-            )
+    blocks = model.blocks
+    numbered = (
+        blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
+    )
+    for i, block in numbered:
+        context_parallel_core(block.attn, group, variant, name=f"blocks.{i}.attn")
     balanced = variant == "ring"
 
     def positions(T: int, device=None) -> torch.Tensor:  # T: this rank's tokens
@@ -110,6 +151,11 @@ def apply_context_parallel(model: GPT, group, variant: str = "ring") -> GPT:
 
     model.positions = positions
     return model
+
+
+def _tp_size(model) -> int:
+    axis = getattr(model, "axis", None)  # a TensorParallelStage's tp axis
+    return 1 if axis is None else axis.size
 
 
 class ContextParallelGPT(nn.Module):

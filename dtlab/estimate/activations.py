@@ -123,9 +123,10 @@ def dtlab_saved_bytes_per_layer(
 
     Context parallelism over ``cp`` ranks (chapter 11) divides everything by cp,
     but the attention core: ring attention keeps no score matrix at all, only its
-    output and log-sum-exp (``(v·sbh + v·a·s·b)/cp``, recomputing the blocks in
-    backward); Ulysses runs the plain core on ``a/cp`` heads of the whole sequence
-    (scores ``/cp``) and builds the whole ``s²`` causal mask.
+    output and log-sum-exp on the rank's ``a/t`` heads (``v·(sbh/t + a·s·b/t)/cp``,
+    recomputing the blocks in backward); Ulysses runs the plain core on ``a/(t·cp)``
+    heads of the whole sequence (scores ``/(t·cp)``) and builds the whole ``s²``
+    causal mask. The rest is the count below with ``s/cp`` tokens.
 
     The paper's terms in values of ``bytes_per_value`` bytes (v), with
     ``f = d_ff / d_model`` (4 in GPT-2), tp = t:
@@ -162,27 +163,21 @@ def dtlab_saved_bytes_per_layer(
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     recompute = one_of("recompute mode", recompute, CHECKPOINTING)
-    if cp > 1:
-        if tp > 1 or recompute != "none" or dropout:
-            raise ValueError(
-                "dtlab composes cp with tp=1, no recomputation, no dropout"
-            )
-        s, b, h, a, v = seq_len, micro_batch, d_model, n_heads, bytes_per_value
-        f = (d_ff or 4 * d_model) / d_model
-        sbh, sb = s * b * h, s * b
-        linear = v * sbh * (4 + 4 + 2 * f) + v * 2 * 2 * sb
-        if one_of("cp variant", cp_variant, ("ring", "ulysses")) == "ring":
-            return (linear + v * sbh + v * a * s * b) / cp
-        return (linear + v * a * s * s * b) / cp + s * s
+    if cp > 1 and (recompute != "none" or dropout):
+        raise ValueError("dtlab composes cp with no recomputation and no dropout")
     s, b, h, a, t, v = seq_len, micro_batch, d_model, n_heads, tp, bytes_per_value
     f = (d_ff or 4 * d_model) / d_model
-    sbh, sb = s * b * h, s * b
+    sbh, sb = s * b * h / cp, s * b / cp  # this rank's tokens: s/cp of each sequence
     split = t if sequence_parallel else 1  # what the replicated terms are divided by
     if recompute == "full":
         return v * sbh / split
     # LayerNorm inputs (2), q/k/v and fc inputs (2, gathered whole under SP), the
     # tp-split inputs (q, k, v, proj: 4; GELU in and out: 2f), LayerNorm statistics
     linear = v * sbh * (2 / split + 2 + (4 + 2 * f) / t) + v * 2 * 2 * sb / split
+    if cp > 1:  # the core on this rank's a/t heads
+        if one_of("cp variant", cp_variant, ("ring", "ulysses")) == "ring":
+            return linear + v * (sbh / t + a / t * sb)  # output, log-sum-exp
+        return linear + v * a / t * s * s * b / cp + s * s  # a/(t·cp) heads, all s
     mb = dropout_mask_bytes
     masks = mb * 2 * sbh / split if dropout else 0.0
     if recompute == "selective":

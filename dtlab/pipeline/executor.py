@@ -281,7 +281,7 @@ class Pipeline:
     def sync_gradients(self, data_parallel: bool = True) -> None:
         """After the last microbatch only: sum the tied embedding's two copies (over
         the first and last rank, or on rank 0 in a V), then average over
-        data-parallel replicas (one flat all-reduce;
+        data-parallel replicas, dp·cp under context parallelism (one flat all-reduce;
         ``data_parallel=False`` leaves that to a data-parallel wrapper)."""
         s, tied = self.schedule, self.axes["tied"]
         copies = [
@@ -300,7 +300,7 @@ class Pipeline:
         elif self.config.tied_head and tied is not None:
             for q in copies:
                 comm.all_reduce(q.grad, group=tied, tag="tied-embedding")
-        dp = self.topo.axis("dp")
+        dp = self.topo.replicas()  # dp, or dp·cp: the ranks of the same weights
         if data_parallel and dp.size > 1:
             grads = [q.grad for q in self.parameters() if q.grad is not None]
             all_reduce_flat(grads, dp, tag="dp-grads", divide_by=dp.size)

@@ -78,13 +78,18 @@ class StageModule(nn.Module):
         """``(B, T)`` ids (first stage) or ``(B, T, C)`` -> ``(B, T, C)``, or logits
         ``(B, T, V)`` on the last stage (same ops as ``GPT.embed``/``GPT.output``)."""
         if self.first:
-            pos = torch.arange(x.shape[1], device=x.device)  # (T,)
+            pos = self.positions(x.shape[1], x.device)  # (T,)
             x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks.values():
             x = block(x)  # (B, T, C)
         if self.last:
             x = self.head(self.ln_f(x))  # (B, T, V)
         return x
+
+    def positions(self, T: int, device=None) -> torch.Tensor:
+        """As :meth:`dtlab.model.GPT.positions`: ``0..T-1``, or under context
+        parallelism the global positions of this rank's ``T`` tokens."""
+        return torch.arange(T, device=device)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

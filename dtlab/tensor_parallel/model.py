@@ -182,10 +182,16 @@ class TensorParallelStage(nn.Module):
             )
         if self.sequence_parallel and T % t:
             raise ValueError(f"sequence parallelism needs T={T} divisible by tp={t}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        pos = self.positions(T, idx.device)  # (T,)
         if self.sequence_parallel:
             pos = split_along(pos, 0, self.axis)  # (T/t,): the positions of my tokens
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) or (B, T/t, C)
+
+    def positions(self, T: int, device=None) -> torch.Tensor:
+        """As :meth:`dtlab.model.GPT.positions`: ``0..T-1``, or under context
+        parallelism the global positions of this rank's ``T`` tokens (which sequence
+        parallelism then splits over tp)."""
+        return torch.arange(T, device=device)
 
     def output(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         """Final LayerNorm, head and loss (a last stage), as ``GPT.output``:
