@@ -197,8 +197,15 @@ def rank_error(failures, what: str = "") -> RankError:
     return RankError(rank, message, tb.strip(), doing)
 
 
-# What a fresh rank imports before it can do anything: torch alone is ~1.5 s of CPU.
-_PRELOAD = ["torch", "torch.distributed", "dtlab.launch", "dtlab.train"]
+# What a fresh rank imports before it can do anything: torch alone is ~1.5 s of CPU,
+# torch._dynamo (which the first optimizer imports) as much again.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "dtlab.launch",
+    "dtlab.train",
+]
 
 
 def process_context():
