@@ -24,9 +24,11 @@ keeps only the one a chapter shows the learner (:mod:`.ch05_mistakes`).
 
 Per chapter: ``chNN_solutions`` (the references, what :func:`solution` shows),
 ``chNN_<topic>`` (the probes that run on the ranks and the checkers that judge
-them: :mod:`.ch01_collectives` … :mod:`.ch12_frontier`; the framework exercises in
-modules of their own, :mod:`.ch02_torch_ddp` and :mod:`.ch03_fsdp2`, and chapter
-12's third, the owners of sharded Muon, in :mod:`.ch12_muon`). Shared by all:
+them: :mod:`.ch01_collectives` … :mod:`.ch12_frontier` and chapter 13's
+:mod:`.ch13_resilience`, the DiLoCo meeting; the framework exercises in modules of
+their own, :mod:`.ch02_torch_ddp` and :mod:`.ch03_fsdp2`, chapter 12's third, the
+owners of sharded Muon, in :mod:`.ch12_muon`, and chapter 13's second, the load
+plan of a resharded checkpoint, in :mod:`.ch13_saved_pieces`). Shared by all:
 :mod:`.grading` (verdicts, stubs, the registry), :mod:`.ranks` (running a probe on
 every rank) and :mod:`.watch` (what a rank's code really did).
 """
@@ -83,6 +85,8 @@ from dtlab.exercises.ch12_frontier import (
     check_split_backward,
 )
 from dtlab.exercises.ch12_muon import check_assign_owners
+from dtlab.exercises.ch13_resilience import check_diloco_sync
+from dtlab.exercises.ch13_saved_pieces import check_load_plan
 from dtlab.exercises.grading import (
     REGISTRY,
     SUBSTITUTE_ENV,
@@ -143,6 +147,8 @@ __all__ = [
     "check_delayed_scaling_update",
     "check_split_backward",
     "check_assign_owners",
+    "check_diloco_sync",
+    "check_load_plan",
 ]
 
 

@@ -19,4 +19,5 @@ from tests.mistakes import (  # noqa: F401 - each registers its chapter's mistak
     ch10,
     ch11,
     ch12,
+    ch13,
 )
