@@ -46,12 +46,15 @@ TOKEN = uuid.uuid4().hex
 SERVER_UP, PAGE_READY, RUN_ALL = 120, 180, 420
 
 # Each chapter is opened by clicking its link in the index, as a learner does: 01
-# (the live collectives figure), 07 (the control panel and the live dashboard) and
-# 12 (the optional chapter: FP8, the V schedules and Muon on the engines).
+# (the live collectives figure), 07 (the control panel and the live dashboard), 12
+# (the optional chapter: FP8, the V schedules and Muon on the engines) and 13 (the
+# other optional one: a replica lost and healed, DiLoCo, a checkpoint saved on four
+# engines and loaded on two after a restart).
 CHAPTERS = [
     pytest.param("01_collectives.ipynb", id="01"),
     pytest.param("07_3d_parallelism.ipynb", id="07"),
     pytest.param("12_frontier.ipynb", id="12"),
+    pytest.param("13_resilience.ipynb", id="13"),
 ]
 LIVE = ("01_collectives.ipynb", "07_3d_parallelism.ipynb")  # widgets, live figures
 
@@ -418,7 +421,7 @@ def _check(chapter, cells, plots, saved, elapsed):
     static = [p for p in plots if not p["widget"]]
     assert all(any(d["points"] for d in p["draws"]) for p in static), static
     if chapter not in LIVE:
-        return  # a chapter without widgets (12): its cells ran, its figures drew
+        return  # a chapter without widgets (12, 13): its cells ran, its figures drew
     assert sum(c["widgets"] for c in cells) >= 1, f"{chapter}: no widget view"
     # the live figure: while the notebook was still running, the browser redrew it
     # with new data at least twice (points drawn, not just the empty first frame)

@@ -54,7 +54,7 @@ def wrong(key):
 
 def test_every_source_question_has_a_card():
     keys = {c.key for c in CARDS}
-    assert len(keys) == len(CARDS) == 23  # 20, and chapter 12's three
+    assert len(keys) == len(CARDS) == 26  # 20, chapter 12's three, chapter 13's three
     assert set(SOURCE_QUESTIONS.values()) <= keys
     for card in CARDS:
         assert card.question.endswith("?")
@@ -310,3 +310,11 @@ def test_measurements_agree_with_the_formulas(revealed):
     assert r["fp8_scaling"].extra["current"] == 0
     assert r["zero_bubble_v"].value == pytest.approx(r["zero_bubble_v"].predicted)
     assert r["muon_sharding"].value == pytest.approx(1 / 8)
+    # chapter 13: the simulated best interval is Young-Daly's within 5 %; DiLoCo
+    # sends one H-th of DDP's bytes; the 32 new ranks read the tensor exactly once
+    ci = r["checkpoint_interval"]
+    assert ci.value == pytest.approx(ci.extra["young_daly_h"], rel=0.05)
+    assert r["diloco_traffic"].value == pytest.approx(500)
+    plan = r["reshard_checkpoint"]
+    assert plan.value == plan.predicted == 1 / 32
+    assert plan.extra["total_read"] == plan.extra["numel"]

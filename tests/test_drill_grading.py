@@ -27,7 +27,7 @@ MISCONCEPTIONS = [
 
 
 def test_every_card_is_graded_and_its_reference_passes():
-    assert len(CARDS) == 23  # 20, and chapter 12's three
+    assert len(CARDS) == 26  # 20, chapter 12's three and chapter 13's three
     assert {c.topic for c in CARDS} == set(TOPICS)  # every topic has a card
     for card in CARDS:
         assert card.numbers and card.choices, card.key
@@ -40,13 +40,15 @@ def test_every_card_is_graded_and_its_reference_passes():
         "the same bytes as DDP (2Ψ)",
         "across nodes: its messages are small",  # TP across nodes is cheap
         "(N−1)·Ψ values",
+        "nothing more: concatenate the rank files in order",  # chapter 13
     ):
         assert label in offered, label
 
 
 @pytest.mark.parametrize("card,part", NUMBERS)
 def test_a_number_is_computed_by_dtlab_estimate(card, part):
-    # its scenario's value comes from a call into dtlab.estimate, not a literal
+    # its scenario's value comes from a call into dtlab.estimate (or dtlab.ft, for
+    # chapter 13's checkpoint intervals), not a literal
     source = inspect.getsource(part.compute)
     called = set(re.findall(r"\b(\w+)\(", source))
     helpers = "".join(
@@ -54,7 +56,7 @@ def test_a_number_is_computed_by_dtlab_estimate(card, part):
         for h in called
         if h in part.compute.__globals__
     )
-    assert "est." in source + helpers, source
+    assert re.search(r"\b(est|ft)\.", source + helpers), source
     assert math.isfinite(part.value()) and part.value() > 0
     assert part.tolerance <= 0.10 and part.why
 
@@ -245,3 +247,72 @@ def test_the_drill_exercise_accepts_right_answers_written_otherwise(monkeypatch)
             check(m.solution)
     with pytest.raises(ExerciseFailed, match="returns a dict"):
         check(lambda: ["24.5 GB"])
+
+
+# ---- chapter 13's cards ----------------------------------------------------------
+CARD = {c.key: c for c in CARDS}
+
+
+def test_the_checkpoint_interval_is_young_daly_with_its_units():
+    """√(2CM) with C = 2 min and M = 264 days / 128 servers: 6,540 s, written in
+    any unit of time; the waste √(2C/M) as a share. Both are dtlab.ft's."""
+    from dtlab import ft
+
+    card = CARD["checkpoint_interval"]
+    m = ft.cluster_mtbf(264 * 86_400, 128)
+    tau = ft.young_daly_interval(120, m)
+    assert math.isclose(tau, math.sqrt(2 * 120 * m)) and 6500 < tau < 6600
+    for form in ("1.82 h", "109 min", f"{tau:.0f} s", "1.8 hours", 6540):
+        g = card.grade({"interval": form})
+        assert next(p for p in g.parts if p.name == "interval").right, form
+    waste = next(p for p in card.parts if p.name == "waste")
+    assert waste.value() == pytest.approx(math.sqrt(2 * 120 / m))
+    for wrong, says in (("3.6 days", "too high"), ("6540 ms", "too low")):
+        fb = card.grade({"interval": wrong}).parts[0].feedback
+        assert says in fb, fb
+    # a job four times larger: the interval halves, it does not shrink fourfold
+    g = card.grade(
+        {**card.reference(), "four_times": ["the interval shrinks fourfold"]}
+    )
+    assert g.misconceptions == ("the interval shrinks fourfold",) and not g.passed
+    assert 2 * ft.young_daly_interval(120, m / 4) == pytest.approx(tau)
+
+
+def test_diloco_sends_one_hth_of_ddps_bytes():
+    from dtlab import estimate as est
+    from dtlab import ft
+
+    card = CARD["diloco_traffic"]
+    psi = est.MODELS["7B"].n_params
+    values = {p.name: p.value() for p in card.numbers}
+    assert values["ddp_over_diloco"] == pytest.approx(500)  # H-fold
+    assert values["bytes_per_step"] == pytest.approx(
+        est.ddp_bytes_per_step(psi, 8) / 500
+    )
+    assert values["bytes_per_step"] == ft.local_sgd_bytes_per_step(psi, 8, 500)
+    # every step's gradients is DDP, and the inner moments never travel
+    for label in ("every inner step's gradient", "the inner AdamW moments"):
+        g = card.grade({**card.reference(), "meeting": [label]})
+        assert label in g.misconceptions and not g.passed
+
+
+def test_a_resharding_checkpoint_records_global_offsets_not_rank_order():
+    from dtlab import estimate as est
+
+    card = CARD["reshard_checkpoint"]
+    assert card.numbers[0].value() == pytest.approx(12 * 7e9 / 32)
+    assert (
+        card.numbers[0].value() == est.zero_memory_per_device(7e9, 32, 3)["optimizer"]
+    )
+    concat = "nothing more: concatenate the rank files in order"
+    g = card.grade({**card.reference(), "records": [concat]})
+    mine = next(p for p in g.parts if p.name == "records")
+    assert mine.misconceptions == (concat,) and "padded" in mine.feedback
+    # the offsets alone are not the whole answer: the full shapes too
+    g = card.grade(
+        {
+            **card.reference(),
+            "records": ["the offsets of each piece in the full tensor"],
+        }
+    )
+    assert not g.passed and "1 missing" in str(g)

@@ -2,7 +2,8 @@
 the prose of ``cards.ini`` (question, sources, topic, the model answer in the
 four-question frame) with the graded parts of
 :mod:`~dtlab.drill.parts_strategies`, :mod:`~dtlab.drill.parts_systems` and
-:mod:`~dtlab.drill.parts_frontier` (chapter 12's three cards)
+:mod:`~dtlab.drill.parts_frontier` (chapter 12's three cards) and
+:mod:`~dtlab.drill.parts_resilience` (chapter 13's three)
 (numbers computed by :mod:`dtlab.estimate`, structured choices) and the
 measurement behind the answer (:mod:`~dtlab.lab.drill.measurements`).
 
@@ -17,7 +18,12 @@ import configparser
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtlab.drill import parts_frontier, parts_strategies, parts_systems
+from dtlab.drill import (
+    parts_frontier,
+    parts_resilience,
+    parts_strategies,
+    parts_systems,
+)
 from dtlab.drill.grading import CardGrade, Choices, Number, grade_card
 
 __all__ = ["CARDS", "CARDS_FILE", "FRAME", "SOURCE_QUESTIONS", "TOPICS", "Card"]
@@ -45,7 +51,12 @@ TOPICS = (
 )
 """The topics a mock round covers and scores."""
 
-PARTS = {**parts_strategies.PARTS, **parts_systems.PARTS, **parts_frontier.PARTS}
+PARTS = {
+    **parts_strategies.PARTS,
+    **parts_systems.PARTS,
+    **parts_frontier.PARTS,
+    **parts_resilience.PARTS,
+}
 """Every card's graded parts, by card key."""
 
 _ANSWER = (*(key for key, _ in FRAME), "summary")

@@ -5,8 +5,10 @@ The tables themselves, one entry per card of ``cards.ini``:
 :mod:`~dtlab.drill.parts_strategies` (data parallelism, ZeRO/FSDP, tensor,
 pipeline, context and expert parallelism),
 :mod:`~dtlab.drill.parts_systems` (systems, precision, memory, planning) and
-:mod:`~dtlab.drill.parts_frontier` (chapter 12: FP8, the V schedules, Muon).
-Each number is computed by :mod:`dtlab.estimate` for a concrete scenario; each
+:mod:`~dtlab.drill.parts_frontier` (chapter 12: FP8, the V schedules, Muon) and
+:mod:`~dtlab.drill.parts_resilience` (chapter 13: checkpoint intervals, DiLoCo,
+resharding checkpoints). Each number is computed by :mod:`dtlab.estimate` (or, for
+chapter 13's intervals, :mod:`dtlab.ft`) for a concrete scenario; each
 choice set is a multi-select whose misconceptions cost a point. Options are shown
 sorted (the right ones are never first by construction), and a misconception's
 correction never names the set's right options (tests/test_drill_grading.py).

@@ -1,4 +1,4 @@
-"""Fault tolerance in data parallelism (chapter 08): a quorum every step with
+"""Fault tolerance in data parallelism (chapter 13): a quorum every step with
 replicas lost and healed while the job runs (:mod:`dtlab.ft.quorum`, the design of
 torchft), low-communication LocalSGD and DiLoCo (:mod:`dtlab.ft.local_sgd`,
 Douillard et al. 2023), and the Young–Daly checkpoint interval

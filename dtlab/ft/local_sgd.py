@@ -1,5 +1,5 @@
 """LocalSGD and DiLoCo: replicas that synchronise every H steps, not every step
-(chapter 08's fault tolerance and the low-communication training beside it).
+(chapter 13: fault tolerance, and the low-communication training beside it).
 
 Under DDP every step all-reduces Ψ gradients (``2(N-1)/N · 4Ψ`` bytes sent per rank
 in fp32, :func:`dtlab.estimate.ddp_bytes_per_step`). Here each replica takes H

@@ -1,6 +1,7 @@
 """Fault-tolerant data parallelism: a quorum every step, gradients averaged over the
 replicas that are alive, and a replica that comes back healed from a live peer
-(chapter 08's lost replica generalised; the design of torchft, Meta 2024-25).
+(chapter 13; chapter 08's lost replica generalised; the design of torchft, Meta
+2024-25).
 
 Chapter 08 stops the whole job when an engine dies, replaces it, and resumes every
 rank from the newest step they all kept. Here the job never stops. Each step

@@ -1,5 +1,5 @@
 """The fault-tolerant job of :mod:`dtlab.ft.quorum`, run under torchft instead
-(chapter 08: dtlab's quorum beside the library it follows).
+(chapter 13: dtlab's quorum beside the library it follows).
 
 torchft (Meta; ``pip install torchft``) gives each *replica group* its own world
 and joins the groups through a *lighthouse*: a server that forms a quorum of the

@@ -1,4 +1,4 @@
-"""How often to checkpoint: the Young–Daly interval (chapter 08, beside checkpoints
+"""How often to checkpoint: the Young–Daly interval (chapter 13, beside checkpoints
 and fault-tolerant data parallelism).
 
 A job that checkpoints every τ seconds of work, each checkpoint costing C seconds,

@@ -1,6 +1,6 @@
 """Checkpoints that reshard: saved at one layout, loaded at any other.
 
-Taught in chapter 12 (the frontier). PyTorch's distributed checkpoint (DCP,
+Taught in chapter 13 (when ranks fail). PyTorch's distributed checkpoint (DCP,
 ``torch.distributed.checkpoint``; its design is in the PyTorch docs, "Distributed
 Checkpoint - torch.distributed.checkpoint", and in Wan et al. 2024, "ByteCheckpoint:
 A Unified Checkpointing System for Large Foundation Model Development") and

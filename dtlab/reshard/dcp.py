@@ -1,6 +1,6 @@
 """PyTorch's own resharding checkpoint beside dtlab's: DCP saving FSDP2.
 
-Taught in chapter 12 ("from dtlab to the real thing"). The same job as
+Taught in chapter 13 ("from dtlab to the real thing"). The same job as
 :mod:`dtlab.frameworks.fsdp2` (``fully_shard`` on every block, then on the root;
 the reference's AdamW; this rank's slice of each global batch), checkpointed with
 ``torch.distributed.checkpoint``:

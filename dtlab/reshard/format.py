@@ -1,6 +1,6 @@
 """The files of a resharding checkpoint, and reading pieces back from them.
 
-Taught in chapter 12 (:mod:`dtlab.reshard`). A checkpoint is a folder:
+Taught in chapter 13 (:mod:`dtlab.reshard`). A checkpoint is a folder:
 
 - ``metadata.json``, written by rank 0: the model, the layout and step it was saved
   at, the optimizer's hyper-parameters and loss scale, and for every full tensor its

@@ -1,6 +1,6 @@
 """What one rank of a :class:`dtlab.train.Trainer` holds, in the full model's terms.
 
-Taught in chapter 12 (:mod:`dtlab.reshard`). The save plan and the load plan of a
+Taught in chapter 13 (:mod:`dtlab.reshard`). The save plan and the load plan of a
 rank are the same list: for every tensor the rank's optimizer steps, a
 :class:`Holding` names the full tensor (the single-process GPT's name), says which
 :class:`~dtlab.reshard.pieces.Piece` of it the rank holds, and whether this rank is

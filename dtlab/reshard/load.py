@@ -1,6 +1,6 @@
 """Loading a resharding checkpoint into a :class:`dtlab.train.Trainer` of any layout.
 
-Taught in chapter 12 (:mod:`dtlab.reshard`). :func:`load` is DCP's load: each rank
+Taught in chapter 13 (:mod:`dtlab.reshard`). :func:`load` is DCP's load: each rank
 *plans* from the metadata alone (for every tensor it steps, which saved pieces
 overlap its own piece, and where: :func:`~dtlab.reshard.pieces.overlaps`), checks
 that the plan covers every element and that the files exist, and only then *reads*

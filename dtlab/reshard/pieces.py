@@ -1,6 +1,6 @@
 """Where a piece of a tensor sits in the full tensor, and where two pieces meet.
 
-Taught in chapter 12 (checkpoints that reshard; :mod:`dtlab.reshard`). No process
+Taught in chapter 13 (checkpoints that reshard; :mod:`dtlab.reshard`). No process
 group here: the geometry is pure arithmetic, testable on its own.
 
 A rank holds a :class:`Piece` of each full (unsharded, GPT-named) tensor. Tensor

@@ -1,6 +1,6 @@
 """Saving a :class:`dtlab.train.Trainer` so that any layout can load it.
 
-Taught in chapter 12 (:mod:`dtlab.reshard`). :func:`save` is DCP's save in three
+Taught in chapter 13 (:mod:`dtlab.reshard`). :func:`save` is DCP's save in three
 moves: each rank *plans* (its :func:`~dtlab.reshard.holdings.holdings`: every tensor
 it steps, as a piece of the full tensor), *writes* the pieces it is the writer of
 into its own file, and the ranks' indexes meet at rank 0 (one all-gather of a few

@@ -1,4 +1,4 @@
-"""The interview drill (chapter 10): twenty-three cards graded the way an interviewer
+"""The interview drill (chapter 10): twenty-six cards graded the way an interviewer
 grades, then revealed with a model answer and the number behind it.
 
     from dtlab.lab.drill import Drill

@@ -20,6 +20,7 @@ import torch
 from dtlab import estimate, pipeline
 from dtlab.ddp import DataParallel
 from dtlab.lab.drill.measurements_frontier import FRONTIER
+from dtlab.lab.drill.measurements_resilience import RESILIENCE
 from dtlab.lab.engine.drill import BATCH, CFG, rank_measurements
 from dtlab.model import GPT, SyntheticTokens
 
@@ -490,4 +491,7 @@ MEASUREMENTS: dict[str, Callable[[Context], Measurement]] = {
 }
 MEASUREMENTS.update(  # chapter 12's cards: FP8, the V, sharded Muon
     {name: (lambda ctx, f=f: Measurement(**f(ctx))) for name, f in FRONTIER.items()}
+)
+MEASUREMENTS.update(  # chapter 13's: checkpoint interval, DiLoCo, resharding
+    {name: (lambda ctx, f=f: Measurement(**f(ctx))) for name, f in RESILIENCE.items()}
 )

@@ -73,6 +73,8 @@ DIFFICULTY = {
     "delayed_scaling_update": "core",
     "split_backward": "stretch",
     "assign_owners": "warm-up",
+    "diloco_sync": "core",
+    "load_plan": "core",
 }
 """Every exercise's difficulty: warm-up (one formula or one wrapper), core (the
 mechanism itself), stretch (a mechanism with a subtle case: overlap, a schedule,
@@ -95,6 +97,7 @@ RUN_SECONDS = {
     "10": 25,
     "11": 40,
     "12": 40,
+    "13": 35,
 }
 
 
