@@ -309,11 +309,13 @@ def _check_beyond_3d(config, layout, zero: bool) -> None:
                 "its deferred weight-gradient pass would run the ring's backward (and "
                 "its collectives) a second time; use '1f1b' or 'interleaved'"
             )
-        if config.activation_checkpointing != "none":
+        if config.activation_checkpointing == "selective":
             raise ValueError(
-                "activation checkpointing with cp > 1 is not composed in dtlab: the "
-                "recomputation would run the ring's collectives again in backward; "
-                "use activation_checkpointing='none'"
+                "selective recomputation with cp > 1 is not composed in dtlab: ring "
+                "attention already keeps no score matrix (it recomputes its blocks "
+                "in backward), and recomputing Ulysses' core would rerun its "
+                "all-to-alls; use 'full' (the block's forward, collectives and all, "
+                "runs again) or 'none'"
             )
         if config.cp_variant == "ring" and mc.seq_len % (2 * cp):
             raise ValueError(

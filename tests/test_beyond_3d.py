@@ -56,6 +56,9 @@ LAYOUTS_4 = [  # tp = pp = 1; ep divides dp·cp
     (Layout(tp=2, cp=2), "ring", "ddp", {"sequence_parallel": True}),
     (Layout(pp=2, cp=2), "ring", "ddp"),
     (Layout(pp=2, cp=2), "ulysses", "zero1"),
+    # full recomputation reruns the ring (or the all-to-alls) in backward
+    (Layout(cp=4), "ring", "ddp", {"activation_checkpointing": "full"}),
+    (Layout(tp=2, cp=2), "ulysses", "zero2", {"activation_checkpointing": "full"}),
 ]
 LAYOUTS_8 = [
     (Layout(dp=4, cp=2, ep=2), "ring", "ddp"),
@@ -162,6 +165,7 @@ def test_bytes_per_axis_equal_the_estimate(lab_cluster):
         (Layout(dp=4, ep=2), None, "ddp"),
         (Layout(tp=2, cp=2), "ring", "ddp"),
         (Layout(tp=2, cp=2), "ulysses", "ddp", {"sequence_parallel": True}),
+        (Layout(tp=2, cp=2), "ring", "ddp", {"activation_checkpointing": "full"}),
     ]
     configs = [_config(*case) for case in cases]
     runs = lab_cluster(4).run(_bytes_per_axis, configs, timeout=600)
@@ -233,7 +237,7 @@ def test_hsdp_through_the_trainer_matches_the_reference(lab_cluster):
         (Layout(tp=4, cp=2), {"sequence_parallel": True, "model": DENSE.__class__(
             n_heads=4, seq_len=12)}, "seq_len/cp=6"),
         (Layout(tp=2, cp=4), {"cp_variant": "ulysses"}, "n_heads/tp=2"),
-        (Layout(cp=4), {"activation_checkpointing": "full"}, "checkpointing"),
+        (Layout(cp=4), {"activation_checkpointing": "selective"}, "selective"),
         (Layout(cp=4), {"model": DENSE.__class__(seq_len=12)}, "multiple of 8"),
         (Layout(cp=4), {"cp_variant": "ulysses", "model": GPTConfig(n_heads=2)},
          "multiples of 4"),

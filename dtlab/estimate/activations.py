@@ -163,8 +163,8 @@ def dtlab_saved_bytes_per_layer(
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     recompute = one_of("recompute mode", recompute, CHECKPOINTING)
-    if cp > 1 and (recompute != "none" or dropout):
-        raise ValueError("dtlab composes cp with no recomputation and no dropout")
+    if cp > 1 and (recompute == "selective" or dropout):
+        raise ValueError("dtlab composes cp with full or no recomputation, no dropout")
     s, b, h, a, t, v = seq_len, micro_batch, d_model, n_heads, tp, bytes_per_value
     f = (d_ff or 4 * d_model) / d_model
     sbh, sb = s * b * h / cp, s * b / cp  # this rank's tokens: s/cp of each sequence

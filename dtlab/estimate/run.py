@@ -96,4 +96,5 @@ class Run:
             precision=self.precision, micro_batch_size=self.micro_batch_size,
             microbatches=self.per_step, sequence_parallel=self.sequence_parallel,
             chunks=self.chunks, stage=stage, cp_variant=self.cp_variant,
+            checkpointing=self.checkpointing,
         )  # fmt: skip

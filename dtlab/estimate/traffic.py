@@ -9,7 +9,7 @@ measured bytes.
 
 from __future__ import annotations
 
-from dtlab.checks import positive_int
+from dtlab.checks import one_of, positive_int
 from dtlab.estimate.collectives import wire_bytes
 from dtlab.estimate.context_parallel import cp_bytes_per_layer
 from dtlab.estimate.layouts import (
@@ -23,12 +23,12 @@ from dtlab.estimate.models import layer_params, model_spec
 from dtlab.estimate.moe import ep_bytes_per_layer
 from dtlab.estimate.tensor_parallel import tp_bytes_per_layer
 from dtlab.estimate.zero import zero_comm_per_step
-from dtlab.events import schedule_name, state_precision
+from dtlab.events import CHECKPOINTING, schedule_name, state_precision
 
 
 def _stage_traffic(
     spec, par, stage, *, zero_stage, precision, micro_batch_size, microbatches,
-    sequence_parallel, chunks, seq_len, cp_variant,
+    sequence_parallel, chunks, seq_len, cp_variant, checkpointing,
 ) -> dict[str, float]:  # fmt: skip
     bpv = value_bytes(precision)
     k, b = microbatches, micro_batch_size
@@ -37,6 +37,9 @@ def _stage_traffic(
     sp = stage_params(spec, par, stage)
     group = par.dp * par.cp
     out = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    # full recomputation runs each block's forward again in backward, its
+    # collectives included: the forward's share of every per-layer term, once more
+    again = 1 if one_of("recompute mode", checkpointing, CHECKPOINTING) == "full" else 0
     # dp (and cp: the same weights): gradients, and ZeRO's gathers
     dense = sharded_dense_count(spec, par, sp, zero_stage)
     parts = [(dense, group, "dp")]
@@ -66,10 +69,19 @@ def _stage_traffic(
     if par.tp > 1:
         t = par.tp
         S = tokens * h * bpv
-        per_block = tp_bytes_per_layer(
+        one = tp_bytes_per_layer(
             b, s // par.cp, h, t, bytes_per_value=bpv,
             sequence_parallel=sequence_parallel,
-        )["wire_bytes"]  # fmt: skip
+        )  # fmt: skip
+        # recomputed: the block's forward collectives but its last (the MLP's g),
+        # whose output nothing in the block saves, so torch's checkpoint stops
+        # before it: 1 all-reduce of 2, or 2 all-gathers and 1 reduce-scatter of 4
+        rerun = (
+            2 * wire_bytes("all_gather", S, t) + wire_bytes("reduce_scatter", S, t)
+            if sequence_parallel
+            else wire_bytes("all_reduce", S, t)
+        )
+        per_block = one["wire_bytes"] + again * rerun
         mb = sp["layers"] * per_block
         if first:  # embedding: g (SP: reduce-scatter forward, all-gather back)
             mb += wire_bytes("all_reduce", S, t)
@@ -80,13 +92,15 @@ def _stage_traffic(
         out["tp"] = k * mb
         if sequence_parallel:
             # the replicated weights of the sequence-split regions (norms,
-            # row-parallel biases, positions) get their gradients summed over tp
+            # row-parallel biases, positions) get their gradients summed over tp,
+            # as each backward produces them (dtlab.parallelize's hook): once per
+            # microbatch, where Megatron sums once per step
             repl = sp["layers"] * layer_params(spec)["replicated"]
             if first and spec.learned_positions:
                 repl += s * h
             if last and spec.layernorm:
                 repl += 2 * h
-            out["tp"] += wire_bytes("all_reduce", repl * bpv, t)
+            out["tp"] += k * wire_bytes("all_reduce", repl * bpv, t)
     # pp: activations forward and gradients backward at every chunk boundary
     if par.pp > 1:
         S = tokens * h * bpv / (par.tp if sequence_parallel else 1)
@@ -105,19 +119,20 @@ def _stage_traffic(
     if par.cp > 1:
         # ring: K and V blocks go round the ring (cp-1 hops) forward, and again
         # with their gradients backward; Ulysses: two all-to-alls each way
-        per_layer = cp_bytes_per_layer(
+        ring = cp_bytes_per_layer(
             b, s, h // par.tp, par.cp, variant=cp_variant,
             n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, bytes_per_value=bpv,
-        )["wire_bytes"]  # fmt: skip
-        out["cp"] = k * sp["layers"] * per_layer
+        )  # fmt: skip
+        out["cp"] = k * sp["layers"] * (ring["wire_bytes"] + again * ring["forward"])
     if par.ep > 1 and spec.n_experts > 1:
         # dispatch and combine forward, their transposes backward (4 all-to-alls
         # of the kept rows, uniform routing), and the all-gather of row counts
-        per_layer = ep_bytes_per_layer(
+        a2a = ep_bytes_per_layer(
             tokens, h, par.ep, n_experts=spec.n_experts, top_k=spec.top_k,
             bytes_per_value=bpv,
-        )["wire_bytes"]  # fmt: skip
-        out["ep"] = k * sp["layers"] * per_layer
+        )  # fmt: skip
+        forward = a2a["dispatch"] + a2a["combine"] + a2a["counts"]
+        out["ep"] = k * sp["layers"] * (a2a["wire_bytes"] + again * forward)
     return out
 
 
@@ -135,6 +150,7 @@ def layout_traffic(
     stage: int | None = None,
     seq_len: int | None = None,
     cp_variant: str = "ring",
+    checkpointing: str = "none",
 ) -> dict[str, float]:
     """Wire bytes one rank sends per optimizer step, by axis: ``{"dp", "tp", "pp"}``
     (plus ``"cp"`` and ``"ep"`` when those axes are used), for pipeline stage
@@ -161,6 +177,15 @@ def layout_traffic(
     - ep (:func:`ep_bytes_per_layer`): 4 all-to-alls of ``b·s/cp·top_k·h·bytes``
       per MoE layer under uniform routing, and the all-gather of the row counts.
 
+    ``checkpointing="full"`` recomputes each block's forward in backward, and with it
+    the forward's collectives (Korthikanti et al. 2022, §5, count the extra
+    all-reduce): the ring's or Ulysses' forward, the dispatch, combine and counts,
+    and tp's forward collectives but the block's last. torch's non-reentrant
+    checkpoint stops recomputing once every tensor backward needs is rebuilt, and
+    nothing in the block saves the output of the MLP's g: one all-reduce of two is
+    sent again (under sequence parallelism, three collectives of four). Selective
+    recomputation reruns only the attention core, which sends nothing on tp.
+
     Gradients and 16-bit activations travel in the compute dtype (2 bytes under
     "bf16"/"fp16", 4 under "fp32").
     """
@@ -180,7 +205,7 @@ def layout_traffic(
         zero_stage=zero_stage, precision=precision,
         micro_batch_size=micro_batch_size, microbatches=microbatches,
         sequence_parallel=sequence_parallel, chunks=chunks, seq_len=seq_len,
-        cp_variant=cp_variant,
+        cp_variant=cp_variant, checkpointing=checkpointing,
     )  # fmt: skip
     if stage is not None:
         return _stage_traffic(spec, par, stage, **kw)
