@@ -28,6 +28,51 @@ assert predicted["ddp"]["activations"] > predicted["ddp"]["exact activations"], 
     "Korthikanti's count (dropout masks included) sits above what this GPT saves"
 )
 
+# ---- optional: the published 8K layout, dry-run on the real code ---------------
+from dtlab.dryrun.compare import LN_STATS, SCALARS, STEP_COUNTER  # noqa: E402
+
+assert world == 8192 and str(config.layout) == "dp64·tp8·pp16", "8,192 ranks"
+assert config.microbatches == 32 and gpt.n_layers // lay.pp == 8 and lay.pp == 16, (
+    "32 microbatches a step (16 in flight on the first of 16 stages), 8 layers a stage",
+    config.microbatches,
+    gpt.n_layers,
+)
+assert config.activation_checkpointing == "none", "the dry run recomputes nothing"
+assert dry.unexplained() == [], ("every difference has its reason", dry.unexplained())
+(_r,) = dry.ranks
+assert _r.rank == 0 and _r.role == "first", "rank 0 is the first pipeline stage"
+for _c in ("params", "grads"):
+    assert held[_c]["measured"] == held[_c]["estimate"] > 0, f"{_c} to the byte"
+assert held["optimizer"]["difference"] == 100, held["optimizer"]
+assert STEP_COUNTER in held["optimizer"]["reason"], "100 bytes: AdamW's step counters"
+# 2 more bytes (fp32 for bf16) x 2 statistics x 8,192 tokens x 2 LayerNorms x 8
+# layers x 16 microbatches in flight on the first stage
+assert held["activations"]["difference"] == 2 * 2 * 8192 * 2 * 8 * 16 == 8_388_608
+assert LN_STATS in held["activations"]["reason"], held["activations"]
+assert round(held["activations"]["measured"] / 1e9) == 480, (
+    "480 GB of activations on rank 0",
+    held["activations"]["measured"],
+)
+assert round(held["activations"]["measured"] / 80e9) == 6, "six times an H100's 80"
+_row8k = beside["405B 8K, 8192 H100"][0]
+assert _row8k.checkpointing != "none", (
+    "the planner's row for this layout recomputes",
+    _row8k.checkpointing,
+)
+_dry_sent = {row["category"]: row for row in _r.traffic}
+assert {"dp", "tp", "pp", "world"} <= set(_dry_sent), set(_dry_sent)
+for _axis in ("dp", "tp", "pp", "world"):
+    _d = _dry_sent[_axis]["difference"]
+    assert 0 < _d <= 32 and SCALARS in _dry_sent[_axis]["reason"], (_axis, _d)
+# the published column: Llama 3.1 405B's own estimate beside the stand-in's
+assert f"{held['params']['measured'] / 1e9:.1f}" == "8.2", held["params"]
+assert f"{held['params']['published'] / 1e9:.1f}" == "6.9", held["params"]
+assert "GQA" in held["params"]["published_reason"]
+assert "128 layers for 126" in published.reason, published.reason
+_w = held["params"]["measured"] / held["params"]["published"]
+_g = _dry_sent["dp"]["measured"] / _dry_sent["dp"]["published"]
+assert abs(_g / _w - 1) < 1e-3, ("dp traffic larger by the weights' share", _g, _w)
+
 # ---- 4. 70B on 8 × 80 GB ----------------------------------------------------------
 assert z3["optimizer"] == 12 * PSI_70B / 8, "ZeRO-3: K = 12 bytes a parameter / 8"
 assert abs(states - 16 * PSI_70B / 8) < 1e-9 * states and states / est.GB > 130, (

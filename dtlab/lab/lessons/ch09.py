@@ -7,7 +7,8 @@ accounting made (weights, gradients, optimizer state, activations, in bytes), th
 bytes this rank sent (the loss and the gradient norm's scalars left out: they are
 not the model's traffic) and the number of parameter tensors (AdamW keeps a 4-byte
 step counter for each, which the planner does not model). The chapter sets those
-numbers beside ``est.layout_memory`` and ``est.layout_traffic``.
+numbers beside ``est.layout_memory`` and ``est.layout_traffic``; its optional
+dry run (:func:`dtlab.dryrun.dry_run`) does the same at Llama 3 405B's scale.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ QUESTIONS = [
         "09",
         "bytes of model states per GPU for LLaMA-2 70B under ZeRO-3 over 8 GPUs "
         "(mixed-precision Adam, the paper's 16 bytes a parameter)",
+        "GB",
+    ),
+    Question(
+        "dryrun_405b_activations",
+        "09",
+        "bytes of activations rank 0 (the first of 16 pipeline stages) holds at its "
+        "peak in Llama 3 405B's 8K layout (tp8, pp16, dp64; no recomputation), for "
+        "dtlab's GPT stand-in on the dry run",
         "GB",
     ),
 ]
