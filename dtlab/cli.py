@@ -94,7 +94,7 @@ def run_server(cmd: list[str], env: dict, *, grace: float = 20.0) -> int:
     Jupyter server shuts its kernels down (each stopping its clusters) and exits;
     this process waits for that, up to ``grace`` seconds, then SIGKILLs the
     server (its kernels then notice their parent gone, and the clusters their
-    kernels: :mod:`dtlab.lab.lifeline`). Without this, a ``dtlab lab`` ended by a
+    kernels: :mod:`dtlab.lab.kernel.lifeline`). Without this, a ``dtlab lab`` ended by a
     signal left the server running, re-parented to init, with every kernel and
     cluster it held."""
     server = subprocess.Popen(cmd, env=env)

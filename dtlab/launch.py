@@ -4,7 +4,7 @@ Taught in chapter 01 (and chapter 02's comparison of launchers).
 
 Three ways to get N ranks, all ending in the same :func:`init_process_group`:
 
-- the live lab (:mod:`dtlab.lab.cluster`): long-lived ipyparallel engines;
+- the live lab (:mod:`dtlab.lab.kernel.cluster`): long-lived ipyparallel engines;
 - :func:`spawn`: fresh processes from ``multiprocessing`` (tests, benchmarks,
   ``dtlab run`` on one host) — like ``torch.multiprocessing.spawn`` but returning
   each rank's result and failing fast with the rank's traceback;

@@ -2,8 +2,9 @@
 
 No second machine is reachable from CI, so two things are tested here instead:
 
-- the placement rules, on what engines report (:mod:`dtlab.lab.placement`): each rank's
-  GPU is its position among its own host's engines; a host cannot run more nccl
+- the placement rules, on what engines report (:mod:`dtlab.lab.kernel.placement`):
+  each rank's GPU is its position among its own host's engines; a host cannot run more
+  nccl
   engines than it has GPUs; a world that spans hosts needs a shared ``store_dir``
   for its rendezvous; ``backend="auto"`` follows the engines' GPUs, not the
   notebook machine's;
@@ -22,7 +23,8 @@ import time
 import psutil
 import pytest
 
-from dtlab.lab import EngineDied, LabCluster, placement
+from dtlab.lab import EngineDied, LabCluster
+from dtlab.lab.kernel import placement
 
 HERE = os.uname().nodename
 

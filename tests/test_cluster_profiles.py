@@ -193,7 +193,7 @@ def test_ssh_profile_starts_one_engine_per_gpu_on_each_host(tmp_path, monkeypatc
         assert (python, dash_m, lifeline, module) == (
             "/opt/dtlab/.venv/bin/python",
             "-m",
-            "dtlab.lab.lifeline",
+            "dtlab.lab.kernel.lifeline",
             "ipyparallel.engine",
         )
         assert rest == []  # the cluster id and profile folder travel in the env
@@ -226,7 +226,7 @@ def test_slurm_profile_settings(monkeypatch):
     assert c.SlurmEngineSetLauncher.engine_cmd == [
         "/opt/dtlab/.venv/bin/python",
         "-m",
-        "dtlab.lab.lifeline",
+        "dtlab.lab.kernel.lifeline",
         "ipyparallel.engine",
     ]
     ctl = _load("slurm", "ipcontroller", SLURM_ENV, monkeypatch)
@@ -278,7 +278,7 @@ def test_slurm_profile_submits_one_engine_per_gpu_across_nodes(tmp_path, monkeyp
         "--kill-on-bad-exit=1",
         "/opt/dtlab/.venv/bin/python",
         "-m",
-        "dtlab.lab.lifeline",
+        "dtlab.lab.kernel.lifeline",
         "ipyparallel.engine",
     ]
     assert env["IPP_CLUSTER_ID"] == "t1"  # with the profile folder, in the env
@@ -301,7 +301,7 @@ def test_slurm_profile_without_partition_or_account(tmp_path, monkeypatch):
     assert "--partition" not in text and "--account" not in text
     assert "#SBATCH --ntasks-per-node=8" in text and "#SBATCH --time=02:00:00" in text
     # this kernel's Python
-    assert f"{sys.executable} -m dtlab.lab.lifeline ipyparallel.engine" in text
+    assert f"{sys.executable} -m dtlab.lab.kernel.lifeline ipyparallel.engine" in text
     subprocess.run(["bash", "-n", engines.batch_file], check=True)
 
 

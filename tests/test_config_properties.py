@@ -377,7 +377,8 @@ class _Running:
 
 def test_start_with_a_world_the_machine_cannot_give_stops_nothing():
     pytest.importorskip("ipyparallel")
-    from dtlab.lab import start, teardown
+    from dtlab.lab import start
+    from dtlab.lab.kernel import teardown
 
     old = _Running()
     teardown.register(old)  # as if the notebook had started it

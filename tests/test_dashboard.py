@@ -28,7 +28,7 @@ from dtlab.lab.figures.traffic import (  # noqa: E402
     traffic_by_step,
     traffic_matrix,
 )
-from dtlab.lab.training import start_run  # noqa: E402
+from dtlab.lab.kernel.training import start_run  # noqa: E402
 from dtlab.model import GPT, GPTConfig  # noqa: E402
 from dtlab.topology import Layout  # noqa: E402
 from dtlab.train import TrainConfig  # noqa: E402

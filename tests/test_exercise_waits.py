@@ -8,7 +8,7 @@ solutions travel to the engines by value: each imports what it uses.)"""
 import pytest
 
 from dtlab.exercises import ExerciseFailed, check_overlapped_hooks
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 pytestmark = pytest.mark.cluster
 

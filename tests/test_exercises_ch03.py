@@ -18,7 +18,7 @@ import torch
 from dtlab import exercises
 from dtlab.exercises import REGISTRY
 from dtlab.exercises.ch03_fsdp2 import FSDP2_GPT, fsdp2_budget
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 from dtlab.model import GPT
 
 pytestmark = pytest.mark.cluster

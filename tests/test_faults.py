@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from dtlab.lab import EngineDied, LabCluster, RankError
-from dtlab.lab.failures import EngineUnresponsive, RankHung
+from dtlab.lab.kernel.failures import EngineUnresponsive, RankHung
 
 pytestmark = pytest.mark.cluster
 

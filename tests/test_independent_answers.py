@@ -3,8 +3,8 @@ reference: several right ones, written differently from each other, must be acce
 common mistakes must be rejected.
 
 - ``torch_ddp`` (chapter 02, live on a 4-engine cluster): the solutions travel to the
-  engines by value (:func:`dtlab.lab.shipping.ship_by_value`), so each imports what it
-  uses inside itself.
+  engines by value (:func:`dtlab.lab.kernel.shipping.ship_by_value`), so each imports
+  what it uses inside itself.
 - ``autocast_step`` (chapter 06, local).
 """
 
@@ -12,7 +12,7 @@ import pytest
 
 import dtlab.exercises
 from dtlab.exercises import ExerciseFailed, check_autocast_step, check_torch_ddp
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 # ---------------------------------------------------------------------------
 # torch_ddp: right answers

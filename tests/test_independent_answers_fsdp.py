@@ -12,7 +12,7 @@ uses.)"""
 import pytest
 
 from dtlab.exercises import ExerciseFailed, check_fully_shard
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 pytestmark = pytest.mark.cluster
 

@@ -7,7 +7,7 @@ cluster is left 5 s later.
   then SIGTERMed if it has not;
 - shutdown during a blocking ``cluster.train`` cell;
 - SIGKILL of the kernel (nothing runs in it: the processes watch it,
-  :mod:`dtlab.lab.lifeline`);
+  :mod:`dtlab.lab.kernel.lifeline`);
 - death of the Jupyter server: its kernels ``os._exit`` (skipping every exit hook)
   when their parent is gone.
 
@@ -86,7 +86,7 @@ def test_restart_during_a_background_run_then_shutdown_during_train():
         execute(
             kc,
             """
-            from dtlab.lab.training import start_run
+            from dtlab.lab.kernel.training import start_run
             live = start_run(cluster, CONFIG, pace=0.02)
             import time
             while live.step < 1:

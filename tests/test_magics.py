@@ -16,7 +16,7 @@ pytest.importorskip("jupyter_client")
 
 
 def test_ranks_are_parsed_by_rank_and_refused_by_name():
-    from dtlab.lab.magics import parse_ranks
+    from dtlab.lab.kernel.magics import parse_ranks
 
     assert parse_ranks("0,2", 4) == [0, 2]
     assert parse_ranks("1-3", 4) == [1, 2, 3]
@@ -146,7 +146,7 @@ def test_status_as_text_and_as_a_widget(kernel):
         kernel,
         """
         import time
-        from dtlab.lab.status import status_widget
+        from dtlab.lab.kernel.status import status_widget
         w = status_widget(cluster, interval=0.2)
         before = w.value
         time.sleep(1.0)

@@ -26,7 +26,7 @@ from dtlab.exercises import (
 from dtlab.exercises.ch03_memory import state_storages
 from dtlab.exercises.ch05_pipeline import RECEIVED, StageIO, stage_budget
 from dtlab.exercises.storages import Storages, storage_elements
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 
 # ---- the measure -----------------------------------------------------------------

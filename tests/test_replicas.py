@@ -25,8 +25,8 @@ import pytest
 from dtlab.events import Kind
 from dtlab.lab import LabCluster, replicas
 from dtlab.lab.engine.replica import holders, unsent
-from dtlab.lab.failures import EngineDied
-from dtlab.lab.replicas import time_lost
+from dtlab.lab.kernel.failures import EngineDied
+from dtlab.lab.kernel.replicas import time_lost
 from dtlab.model import GPTConfig
 from dtlab.topology import Layout
 from dtlab.train import TrainConfig

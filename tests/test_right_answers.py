@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dtlab.exercises import check_checkpointing, check_zero1_step
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 
 def checkpoint_wrapper_from_torch(model):

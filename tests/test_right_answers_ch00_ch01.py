@@ -19,7 +19,7 @@ from dtlab.exercises import (
     check_ring_reduce_scatter,
     check_zero2_bytes,
 )
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 
 # ---- ch00 zero2_bytes -------------------------------------------------------------

@@ -17,7 +17,7 @@ from dtlab.exercises import (
     check_grad_hooks,
     check_no_sync_accumulation,
 )
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 pytestmark = pytest.mark.cluster
 

@@ -11,7 +11,7 @@ each imports what it uses.)"""
 import pytest
 
 from dtlab.exercises import ExerciseFailed, check_fsdp_unit, check_zero2_hooks
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 pytestmark = pytest.mark.cluster
 

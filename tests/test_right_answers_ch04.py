@@ -18,7 +18,7 @@ from dtlab.exercises import (
     check_row_parallel,
     check_sequence_parallel,
 )
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 pytestmark = pytest.mark.cluster
 

@@ -17,7 +17,7 @@ from dtlab.exercises import (
     check_pipeline_executor,
     check_underflow,
 )
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 
 # ---- ch05 one_f_one_b: the compute order of one stage --------------------------------

@@ -16,7 +16,7 @@ from dtlab.exercises import (
     check_layout_defence,
     check_rank_order,
 )
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 
 # ---- ch07 layout_defence: a plan and its numbers ------------------------------------

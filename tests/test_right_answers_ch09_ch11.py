@@ -20,7 +20,7 @@ from dtlab.exercises import (
     check_step_time,
     check_zero_states,
 )
-from dtlab.lab.shipping import ship_by_value
+from dtlab.lab.kernel.shipping import ship_by_value
 
 
 # ---- ch09 step_time: the planner's step-time model -----------------------------------

@@ -1,6 +1,6 @@
 """A real second host: half the engines run in a Linux network namespace with an
 interface, an address and a host name of their own (the ``cluster/netns``
-profile, :mod:`dtlab.lab.netns`), joined to this one by a veth pair.
+profile, :mod:`dtlab.lab.kernel.netns`), joined to this one by a veth pair.
 
 The world spans the two: the controller listens on the veth address only, the
 rendezvous is a file in a shared folder, gloo's connections between the sides
@@ -24,7 +24,8 @@ import time
 import psutil
 import pytest
 
-from dtlab.lab import EngineDied, LabCluster, RankError, processes
+from dtlab.lab import EngineDied, LabCluster, RankError
+from dtlab.lab.kernel import processes
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -37,7 +38,7 @@ HERE = os.uname().nodename
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
     """A namespace and a veth pair (removed after); the profile's settings."""
-    netns = pytest.importorskip("dtlab.lab.netns")
+    netns = pytest.importorskip("dtlab.lab.kernel.netns")
     why = None
     if os.geteuid() != 0:
         why = "making a network namespace needs root"

@@ -25,7 +25,7 @@ import urllib.request
 import psutil
 import pytest
 
-from dtlab.lab.processes import tree
+from dtlab.lab.kernel.processes import tree
 from dtlab.launch import spawn
 
 LOOPBACK = ("127.0.0.1", "::1")

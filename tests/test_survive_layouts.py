@@ -14,7 +14,7 @@ tests/test_replicas.py.
 import pytest
 
 from dtlab.lab.engine.replica import holders
-from dtlab.lab.training import train
+from dtlab.lab.kernel.training import train
 from dtlab.model import GPTConfig
 from dtlab.topology import Layout, factorisations
 from dtlab.train import TrainConfig

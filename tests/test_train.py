@@ -1,5 +1,5 @@
-"""dtlab.train and dtlab.lab.training: configs that fail early and clearly, the loop
-against the reference, and records streamed from the live cluster."""
+"""dtlab.train and dtlab.lab.kernel.training: configs that fail early and clearly, the
+loop against the reference, and records streamed from the live cluster."""
 
 import pytest
 import torch
@@ -105,7 +105,7 @@ def _layouts_and_records():
 
 @pytest.mark.cluster
 def test_lab_train_streams_records_that_match_the_reference(lab_cluster):
-    from dtlab.lab.training import train as lab_train
+    from dtlab.lab.kernel.training import train as lab_train
 
     cluster = lab_cluster(4)
     config = TrainConfig(steps=6, global_batch_size=8, bucket_cap_mb=0.1)
@@ -148,7 +148,7 @@ def test_lab_train_streams_records_that_match_the_reference(lab_cluster):
 
 @pytest.mark.cluster
 def test_lab_train_rejects_a_config_before_starting(lab_cluster):
-    from dtlab.lab.training import train as lab_train
+    from dtlab.lab.kernel.training import train as lab_train
 
     with pytest.raises(ValueError, match="multiple of 12"):
         lab_train(lab_cluster(4), TrainConfig(global_batch_size=6, grad_accum_steps=3))

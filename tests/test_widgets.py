@@ -12,7 +12,7 @@ pytest.importorskip("plotly")
 
 from dtlab.lab import RankError  # noqa: E402
 from dtlab.lab.figures.dashboard import Dashboard  # noqa: E402
-from dtlab.lab.training import start_run  # noqa: E402
+from dtlab.lab.kernel.training import start_run  # noqa: E402
 from dtlab.lab.widgets import ControlPanel, factorisations, layout_choices  # noqa: E402
 from dtlab.model import GPTConfig  # noqa: E402
 from dtlab.topology import Layout  # noqa: E402

@@ -8,5 +8,5 @@ c.Cluster.controller_ip = "127.0.0.1"  # nothing listens beyond loopback
 c.Cluster.engine_launcher_class = "local"
 c.Cluster.delay = 0  # no pause between engine launches
 # dtlab.lab starts the engines beside the controller, not after it: they import
-# torch meanwhile and then wait for its connection file (dtlab.lab.processes)
+# torch meanwhile and then wait for its connection file (dtlab.lab.kernel.processes)
 c.Cluster.send_engines_connection_env = False

@@ -1,7 +1,7 @@
 # ipyparallel profile "netns": two hosts on one machine. The first engines run here,
 # the rest inside a Linux network namespace with its own interface, address and
-# host name (dtlab.lab.netns), reached over a veth pair: a real second host as far
-# as the controller, gloo and dtlab can tell. tests/test_second_host.py makes the
+# host name (dtlab.lab.kernel.netns), reached over a veth pair: a real second host
+# as far as the controller, gloo and dtlab can tell. tests/test_second_host.py makes the
 # namespace and uses this profile; the same settings suit a demonstration.
 #
 #   DTLAB_NETNS           required. The namespace (`ip netns add NAME`, as root).
@@ -28,7 +28,7 @@ if _missing:
 
 c.Cluster.controller_launcher_class = "local"  # the controller stays here ...
 c.Cluster.controller_ip = os.environ["DTLAB_CONTROLLER_IP"]  # ... on the veth only
-c.Cluster.engine_launcher_class = "dtlab.lab.netns.NamespaceEngineSetLauncher"
+c.Cluster.engine_launcher_class = "dtlab.lab.kernel.netns.NamespaceEngineSetLauncher"
 c.Cluster.delay = 0
 c.NamespaceEngineSetLauncher.namespace = os.environ["DTLAB_NETNS"]
 c.NamespaceEngineSetLauncher.hostname = os.environ.get(

@@ -92,7 +92,7 @@ _python = os.environ.get("DTLAB_REMOTE_PYTHON", sys.executable)
 c.SlurmEngineSetLauncher.engine_cmd = [
     _python,
     "-m",
-    "dtlab.lab.lifeline",
+    "dtlab.lab.kernel.lifeline",
     "ipyparallel.engine",
 ]
 

@@ -76,7 +76,7 @@ c.SSHLauncher.remote_python = os.environ.get("DTLAB_REMOTE_PYTHON", sys.executab
 c.SSHEngineSetLauncher.engine_cmd = [
     c.SSHLauncher.remote_python,
     "-m",
-    "dtlab.lab.lifeline",
+    "dtlab.lab.kernel.lifeline",
     "ipyparallel.engine",
 ]
 # fail fast: no password prompt, no minute-long wait for a host that is down

@@ -9,8 +9,8 @@ late the live dashboard draws what the ranks did.
   that shows it, median and max over a training run.
 
 The measurement itself drives the notebook layer, which the core never imports:
-it runs as ``python -m dtlab.lab.timing`` in a fresh process (a fresh kernel, as a
-learner's) and hands back JSON, which :func:`run` returns raw.
+it runs as ``python -m dtlab.lab.kernel.timing`` in a fresh process (a fresh kernel,
+as a learner's) and hands back JSON, which :func:`run` returns raw.
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ __all__ = ["run", "summary"]
 def run(
     world_size: int = 4, repeats: int = 3, steps: int = 20, lag: bool = True
 ) -> dict:
-    """Raw results of :mod:`dtlab.lab.timing` (``starts``: one dict per start;
+    """Raw results of :mod:`dtlab.lab.kernel.timing` (``starts``: one dict per start;
     ``lag``: the dashboard's lag over a ``steps``-step run), plus their medians
     (:func:`summary`)."""
     options = [f"--world-size={world_size}", f"--repeats={repeats}", f"--steps={steps}"]
-    cmd = [sys.executable, "-m", "dtlab.lab.timing", *options]
+    cmd = [sys.executable, "-m", "dtlab.lab.kernel.timing", *options]
     if not lag:
         cmd.append("--no-lag")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(
-            f"python -m dtlab.lab.timing failed ({done.returncode}):\n"
+            f"python -m dtlab.lab.kernel.timing failed ({done.returncode}):\n"
             f"{done.stderr[-3000:]}"
         )
     raw = json.loads(done.stdout.strip().splitlines()[-1])

@@ -28,7 +28,7 @@ The lost replica here is simulated: its process still answers the quorum (with
 "not taking part") while it is down, and the caller wipes its state (a new
 process would start from a fresh initialisation at step 0). A process that really
 died could not answer an all-gather; torchft's lighthouse gives the quorum a join
-timeout for that, and dtlab's chapter 08 (:mod:`dtlab.lab.replicas`) re-forms the
+timeout for that, and dtlab's chapter 08 (:mod:`dtlab.lab.kernel.replicas`) re-forms the
 world. What is exact here is the arithmetic: with the same live sets, training
 equals a single process that averages the live shards' gradients
 (``tests/test_fault_tolerance.py`` derives and checks it bit for bit).

@@ -149,7 +149,7 @@ def train_3d(cluster, layout: Layout, *, steps: int = 6, timeout: float = 300):
     """Train the snapshot's GPT under ``layout`` with the live dashboard attached;
     return ``(dashboard, run)``."""
     from dtlab.lab.figures.dashboard import Dashboard
-    from dtlab.lab.training import start_run
+    from dtlab.lab.kernel.training import start_run
     from dtlab.model import GPTConfig
     from dtlab.train import TrainConfig
 

@@ -21,8 +21,9 @@ choice (ZeRO stage, pipeline schedule, microbatches, precision, activation
 checkpointing) is checked as a whole with :meth:`dtlab.train.TrainConfig.check`
 before anything runs: Run stays disabled, and the message says what to change.
 
-Run trains in a background thread of the kernel (:func:`dtlab.lab.training.start_run`),
-so the notebook stays responsive and Stop can end the run at a step boundary on every
+Run trains in a background thread of the kernel
+(:func:`dtlab.lab.kernel.training.start_run`), so the notebook stays responsive and
+Stop can end the run at a step boundary on every
 rank. Errors of a callback (a bad value, a rank that failed) are written into the
 panel's ``output`` widget, never swallowed.
 """
@@ -45,8 +46,8 @@ from ipywidgets import (
 )
 
 from dtlab.events import CHECKPOINTING, CP_VARIANTS, PRECISIONS, SCHEDULES, STRATEGIES
-from dtlab.lab import training
 from dtlab.lab.figures.dashboard import Dashboard
+from dtlab.lab.kernel import training
 from dtlab.model import GPTConfig
 from dtlab.topology import Layout, factorisations
 from dtlab.train import TrainConfig
@@ -397,7 +398,7 @@ class ControlPanel:
 
     def stop(self, _button=None) -> str:
         """What Stop does: end the run at a step boundary (see
-        :meth:`dtlab.lab.training.LiveRun.stop`)."""
+        :meth:`dtlab.lab.kernel.training.LiveRun.stop`)."""
         if self.live is None or not self.live.running:
             return "nothing is running"
         self.stop_button.disabled = True
@@ -406,7 +407,7 @@ class ControlPanel:
 
     def wait(self, timeout: float = 300.0):
         """Wait for the current run (at most ``timeout`` seconds) and return its
-        :class:`~dtlab.lab.training.TrainRun`."""
+        :class:`~dtlab.lab.kernel.training.TrainRun`."""
         if self.live is None:
             raise RuntimeError("nothing has run yet: press Run (or call panel.run())")
         return self.live.wait(timeout)

@@ -2,8 +2,8 @@
 
 Taught in chapter 01 (what an engine is), used by every chapter that starts one.
 
-The notebook side (:mod:`dtlab.lab.cluster`) starts one ipyparallel engine per rank
-and calls the functions of this package there, each in that engine's own process:
+The notebook side (:mod:`dtlab.lab.kernel.cluster`) starts one ipyparallel engine per
+rank and calls the functions of this package there, each in that engine's own process:
 
 - :mod:`~dtlab.lab.engine.state`: which rank this engine is, in which world, and
   whether that world is still usable; the namespace ``%%px`` cells run in;
@@ -19,9 +19,10 @@ and calls the functions of this package there, each in that engine's own process
   notebook through ipyparallel's data publication;
 - :mod:`~dtlab.lab.engine.stop`: the signal handler the Stop button reaches;
 - :mod:`~dtlab.lab.engine.training`: the training loops the notebook's
-  :func:`dtlab.lab.training.train` and :func:`~dtlab.lab.training.start_run` run;
+  :func:`dtlab.lab.kernel.training.train` and
+  :func:`~dtlab.lab.kernel.training.start_run` run;
 - :mod:`~dtlab.lab.engine.replica`: a training run that keeps copies of its state,
-  to resume on a new engine from a replica's (:mod:`dtlab.lab.replicas`);
+  to resume on a new engine from a replica's (:mod:`dtlab.lab.kernel.replicas`);
 - :mod:`~dtlab.lab.engine.rawdist`: raw ``torch.distributed`` calls recorded on
   the board like ``dtlab.comm``'s;
 - :mod:`~dtlab.lab.engine.drill`: the interview drill's runs on every rank;

@@ -3,9 +3,9 @@
 An engine blocked in a collective cannot answer the notebook (and a dead one
 cannot answer at all), so each rank writes its state into a small memory-mapped
 file instead, and the notebook reads it without asking
-(:func:`dtlab.lab.failures.read_board`, :mod:`dtlab.lab.status`). The file holds
-two lines. The first, at offset 0, is ``state<TAB>t_wall<TAB>text<NUL>``, with
-state
+(:func:`dtlab.lab.kernel.failures.read_board`, :mod:`dtlab.lab.kernel.status`). The
+file holds two lines. The first, at offset 0, is ``state<TAB>t_wall<TAB>text<NUL>``,
+with state
 
 - ``in``: inside the collective ``text`` since ``t_wall``;
 - ``after``: running Python after the collective ``text``;

@@ -8,7 +8,7 @@ exception leaves (:func:`~dtlab.lab.engine.failfast.fail_fast`), so its peers do
 wait out the collective timeout, and the error goes back as a :class:`Failure`
 whose message starts with the wall-clock time and what the rank was doing
 (:func:`encode_failure`): the notebook side tells the cause from its consequences
-by those (:mod:`dtlab.lab.failures`).
+by those (:mod:`dtlab.lab.kernel.failures`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class PublishSink(telemetry.Sink):
 
     The client keeps only the *latest* value of each key, so every batch goes out
     under its own key (``tel00000001``, ...) and the notebook reads each key once
-    (:meth:`dtlab.lab.cluster.LabCluster.run`). Batches are sent at most every
+    (:meth:`dtlab.lab.kernel.cluster.LabCluster.run`). Batches are sent at most every
     ``interval`` seconds, or when ``max_batch`` events are waiting, or on
     :meth:`flush`. ``publish``: the function that sends a ``{key: batch}`` dict
     (ipyparallel's ``publish_data``, which only exists on an engine, by default).

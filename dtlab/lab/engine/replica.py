@@ -15,7 +15,7 @@ rank exists on it alone.
 every rank finished, a copy of this rank's state and records and every rank's
 random state and records, in this engine's memory (the newest :data:`KEEP`).
 
-When an engine dies, the notebook (:mod:`dtlab.lab.replicas`) replaces it and
+When an engine dies, the notebook (:mod:`dtlab.lab.kernel.replicas`) replaces it and
 calls :func:`train` again on every rank with ``newcomers``, the ranks on new
 engines. Then, in the new world:
 

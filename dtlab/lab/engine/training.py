@@ -1,5 +1,6 @@
 """The training loops that run on every engine: what the notebook's
-:func:`dtlab.lab.training.train` and :func:`dtlab.lab.training.start_run` ship.
+:func:`dtlab.lab.kernel.training.train` and
+:func:`dtlab.lab.kernel.training.start_run` ship.
 
 Both run :class:`dtlab.train.Trainer` on the topology the engine made at start,
 when the config's layout fits it. :func:`train_rank_stoppable` trains one step at

@@ -4,7 +4,7 @@ at each ``cluster.reset()`` and at ``cluster.stop()``.
 Engine ids are not ranks, and the local launcher gives every engine the same
 environment, so the notebook passes each engine its rank (and, on GPU, its device)
 explicitly; :func:`whereami` tells it, before any world exists, where each engine
-runs so that it can choose them (:mod:`dtlab.lab.placement`).
+runs so that it can choose them (:mod:`dtlab.lab.kernel.placement`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Chapter 07's other figures: runs of different layouts side by side, and the ranks
 of a 3D layout placed on nodes.
 
-    rows = compare_table([run_a, run_b])        # dtlab.lab.training.TrainRun each
+    rows = compare_table([run_a, run_b])   # dtlab.lab.kernel.training.TrainRun each
     compare(run_a, run_b).show()                 # loss, memory, bytes, step time
     placement_figure(Layout(dp=2, tp=2, pp=2), gpus_per_node=4).show()
 """
@@ -28,7 +28,7 @@ from dtlab.topology import Layout
 
 
 def run_summary(run, name: str | None = None) -> dict:
-    """One row of numbers for a finished :class:`dtlab.lab.training.TrainRun`:
+    """One row of numbers for a finished :class:`dtlab.lab.kernel.training.TrainRun`:
     final loss, memory of the most loaded rank (bytes by category and in total),
     wire bytes one rank sends per step by axis (mean over ranks and over steps
     after the first, which also holds the start-up broadcasts), and the median step

@@ -4,7 +4,7 @@ panel of :mod:`dtlab.lab.widgets` feeds it.
     from dtlab.lab.figures.dashboard import Dashboard
     board = Dashboard(config, world_size=4)
     display(board.widget)
-    run = start_run(cluster, config, on_events=board)   # dtlab.lab.training
+    run = start_run(cluster, config, on_events=board)   # dtlab.lab.kernel.training
 
 Five views (six for a mixture of experts), each a
 :class:`~dtlab.lab.figures.live.LiveFigure` redrawn in place while the ranks train:
@@ -186,8 +186,9 @@ def _lanes(layout: Layout) -> list[str]:
 class Dashboard:
     """The live views of one run, fed with telemetry events.
 
-    Pass it as ``on_events`` (it is callable) to :func:`dtlab.lab.training.start_run`
-    or ``cluster.run``. :meth:`update` folds a batch into bounded state (the newest
+    Pass it as ``on_events`` (it is callable) to
+    :func:`dtlab.lab.kernel.training.start_run` or ``cluster.run``. :meth:`update`
+    folds a batch into bounded state (the newest
     ``loss_window`` steps per rank, ``traffic_steps`` steps of traffic, the spans of
     the newest ``timeline_steps`` steps, the latest memory sample per rank, an N×N
     matrix) and redraws every view at most every ``min_interval`` seconds

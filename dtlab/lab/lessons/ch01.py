@@ -102,8 +102,9 @@ def sweep_table(sizes, times, fit: est.AlphaBeta, n: int) -> str:
 def watch_hang(cluster, fn, *args, waiting_in: str, timeout: float = 60):
     """Run ``fn(*args)`` on every rank, expecting a hang: as soon as every rank but
     the last waits in the collective tagged ``waiting_in``, read every rank's status
-    board (:meth:`~dtlab.lab.cluster.LabCluster.doing`). Returns ``(boards, error,
-    seconds)``: what the boards said mid-hang, the :class:`~dtlab.launch.RankError`
+    board (:meth:`~dtlab.lab.kernel.cluster.LabCluster.doing`). Returns
+    ``(boards, error, seconds)``: what the boards said mid-hang, the
+    :class:`~dtlab.launch.RankError`
     the call ended in (None if it did not), and how long the call took."""
     from dtlab.launch import RankError
 

@@ -213,7 +213,7 @@ def bucket_sweep(cluster, config, caps, steps: int = 6, skip: int = 2):
     communication, measured and modelled."""
     from dtlab import estimate as est
     from dtlab.ddp import MB
-    from dtlab.lab.training import train
+    from dtlab.lab.kernel.training import train
     from dtlab.model import GPT
 
     n = cluster.world_size

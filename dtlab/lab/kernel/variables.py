@@ -9,13 +9,13 @@ Taught in chapter 01 (each rank is a process with variables of its own).
 The namespace is the one ``%%rank`` and ``%%px`` cells run in (each engine's
 IPython user namespace, which already holds ``rank``, ``world_size``, ``topo``);
 values travel pickled (cloudpickle), through ipyparallel's push and pull. Both wait
-the way ``cluster.run`` does (:mod:`dtlab.lab.waiting`): a dead or stopped rank is
-named instead of waited for.
+the way ``cluster.run`` does (:mod:`dtlab.lab.kernel.waiting`): a dead or stopped rank
+is named instead of waited for.
 """
 
 from __future__ import annotations
 
-from dtlab.lab import engines, waiting
+from dtlab.lab.kernel import replacing, waiting
 
 TIMEOUT = 60.0  # seconds: moving a value is quick, unless a rank is busy
 
@@ -38,7 +38,7 @@ def push(cluster, values: dict, ranks=None) -> None:
             raise ValueError(f"push: {name!r} is not a Python variable name")
     cluster.check_running()
     ranks = _targets(cluster, ranks)
-    engines.require_registered(cluster, ranks)
+    replacing.require_registered(cluster, ranks)
     pending = [
         cluster.client[cluster.rank_to_engine[r]].push(values, block=False)
         for r in ranks
@@ -53,7 +53,7 @@ def pull(cluster, name: str, ranks=None) -> list:
         raise ValueError(f"pull: {name!r} is not a Python variable name")
     cluster.check_running()
     ranks = _targets(cluster, ranks)
-    engines.require_registered(cluster, ranks)
+    replacing.require_registered(cluster, ranks)
     pending = [
         cluster.client[cluster.rank_to_engine[r]].pull(name, block=False) for r in ranks
     ]

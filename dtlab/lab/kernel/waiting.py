@@ -9,12 +9,12 @@ and running, and stops at the first of:
 
 - every rank answered: the results, in rank order, or one
   :class:`dtlab.launch.RankError` naming the rank that failed first;
-- an engine died: :class:`~dtlab.lab.failures.EngineDied`, with how it ended;
+- an engine died: :class:`~dtlab.lab.kernel.failures.EngineDied`, with how it ended;
 - an engine is stopped (SIGSTOP) or was dropped by the controller:
-  :class:`~dtlab.lab.failures.EngineUnresponsive`, alive but not answering;
+  :class:`~dtlab.lab.kernel.failures.EngineUnresponsive`, alive but not answering;
 - some ranks are still running :data:`STRAGGLER_GRACE` seconds after others
   failed, or the group's timeout plus that after others finished: those ranks are
-  interrupted and named (:func:`dtlab.lab.failures.hung_error`), instead of the
+  interrupted and named (:func:`dtlab.lab.kernel.failures.hung_error`), instead of the
   call waiting out its own timeout (600 s by default);
 - the deadline passed, or the notebook's Stop button was pressed
   (``KeyboardInterrupt``): the busy ranks are interrupted (SIGINT) and the error
@@ -29,9 +29,9 @@ from __future__ import annotations
 import signal
 import time
 
-from dtlab.lab import failures, processes
 from dtlab.lab.engine import call
-from dtlab.lab.failures import EngineDied, EngineUnresponsive, WorldDown
+from dtlab.lab.kernel import failures, processes
+from dtlab.lab.kernel.failures import EngineDied, EngineUnresponsive, WorldDown
 
 STRAGGLER_GRACE = 3.0  # seconds a rank may run on after a peer failed
 STOPPED_FOR = 0.5  # seconds a process must be seen stopped to count as stopped
@@ -52,7 +52,7 @@ def wait_for_ranks(
     ``timeout`` seconds. ``what`` names the call in messages; ``on_events(rank,
     batch)`` receives the telemetry batches the ranks publish meanwhile;
     ``output.update()`` is called every slice (the per-rank output areas of
-    :mod:`dtlab.lab.output`)."""
+    :mod:`dtlab.lab.kernel.output`)."""
     import ipyparallel as ipp
 
     ranks = list(range(len(pending)) if ranks is None else ranks)
@@ -204,9 +204,9 @@ def _stragglers(cluster, by_rank, done, what, since):
 def check_alive(
     cluster, wait: float = 0.0, ranks=None, stopped_for: float = STOPPED_FOR
 ) -> None:
-    """Raise :class:`~dtlab.lab.failures.EngineDied` if a local engine process is
+    """Raise :class:`~dtlab.lab.kernel.failures.EngineDied` if a local engine process is
     gone (another host's engines are watched by ipyparallel's heartbeat), and
-    :class:`~dtlab.lab.failures.EngineUnresponsive` if one is stopped; ``wait``
+    :class:`~dtlab.lab.kernel.failures.EngineUnresponsive` if one is stopped; ``wait``
     seconds for a process that ipyparallel already reported dead to finish
     exiting. ``ranks``: only those (default: every rank). A process counts as
     stopped once seen so for ``stopped_for`` seconds (a debugger may pause one

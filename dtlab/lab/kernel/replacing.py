@@ -2,7 +2,7 @@
 controller, and replacing one with a new engine for the same rank.
 
 Taught in chapter 01 (an engine can be lost) and chapter 08 (surviving a lost
-replica: :mod:`dtlab.lab.replicas`).
+replica: :mod:`dtlab.lab.kernel.replicas`).
 
 ipyparallel's controller *drops* an engine that misses its heartbeat for a few
 seconds (a dead process, but also a stopped or frozen one). A dropped engine has
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import time
 
-from dtlab.lab import failures, processes
 from dtlab.lab.engine import world
+from dtlab.lab.kernel import failures, processes
 
 
 def dropped(cluster) -> list[int]:
@@ -29,8 +29,8 @@ def dropped(cluster) -> list[int]:
 
 def require_registered(cluster, ranks=None) -> None:
     """Raise a clear error if an engine of ``ranks`` (default: all) was dropped:
-    :class:`~dtlab.lab.failures.EngineUnresponsive` if its process is alive,
-    :class:`~dtlab.lab.failures.EngineDied` if not."""
+    :class:`~dtlab.lab.kernel.failures.EngineUnresponsive` if its process is alive,
+    :class:`~dtlab.lab.kernel.failures.EngineDied` if not."""
     gone = [r for r in dropped(cluster) if ranks is None or r in ranks]
     if not gone:
         return

@@ -39,9 +39,9 @@ import re
 import signal
 import time
 
-from dtlab.lab import processes
 from dtlab.lab.engine import board
 from dtlab.lab.engine.call import decode_failure
+from dtlab.lab.kernel import processes
 from dtlab.launch import RankError, rank_error
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours of IPython's tracebacks

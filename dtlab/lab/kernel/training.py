@@ -2,7 +2,7 @@
 
 Taught in chapter 02; every later chapter trains through it.
 
-    from dtlab.lab.training import train
+    from dtlab.lab.kernel.training import train
     from dtlab.train import TrainConfig
 
     run = train(cluster, TrainConfig(steps=30), live=True)   # a live loss plot
@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dtlab.events import Kind
-from dtlab.lab import replicas
 from dtlab.lab.engine.training import train_rank, train_rank_stoppable
+from dtlab.lab.kernel import replicas
 from dtlab.train import TrainConfig
 
 
@@ -45,7 +45,7 @@ class TrainRun:
     records: list[list[dict]]  # records[rank][step]
     events: list[dict] = field(default_factory=list, repr=False)
     live: object | None = field(default=None, repr=False)  # the LiveFigure, if any
-    # survive=True: each lost replica and what it cost (dtlab.lab.replicas)
+    # survive=True: each lost replica and what it cost (dtlab.lab.kernel.replicas)
     lost: list[dict] = field(default_factory=list)
     seconds: float | None = None  # wall-clock time of the whole run
 
@@ -78,7 +78,7 @@ def train(
     an engine that dies mid-run is replaced and the run goes on from a replica's
     state, with the losses of a run that never broke (every layout whose ranks'
     states are each held twice; the others are refused here, before any engine
-    is touched: :mod:`dtlab.lab.replicas`); ``run.lost`` says what each loss
+    is touched: :mod:`dtlab.lab.kernel.replicas`); ``run.lost`` says what each loss
     cost.
     """
     if not isinstance(config, TrainConfig):

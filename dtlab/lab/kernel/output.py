@@ -6,8 +6,8 @@ Taught in chapter 01 (``print`` on four ranks at once).
 ``%%px`` interleaves the ranks' lines (``[stdout:0] ...``, ``[stdout:1] ...``) in
 the order they arrive. :class:`RankOutput` gives each rank an output area of its
 own (an IPython display, updated in place), labelled with the rank, not the engine
-id: :meth:`LabCluster.run <dtlab.lab.cluster.LabCluster.run>` and the ``%%rank``
-magic (:mod:`dtlab.lab.magics`) fill them from ipyparallel's ``AsyncResult``
+id: :meth:`LabCluster.run <dtlab.lab.kernel.cluster.LabCluster.run>` and the ``%%rank``
+magic (:mod:`dtlab.lab.kernel.magics`) fill them from ipyparallel's ``AsyncResult``
 (``stdout``, ``stderr``; for a cell also its result) as the text streams in,
 at most ten times a second. Outside a notebook the areas are printed at the end,
 grouped by rank.

@@ -5,7 +5,7 @@ Taught in chapter 01 (a cluster dies with its kernel).
 Four ways a kernel goes, and what ends its clusters in each:
 
 - it exits (JupyterLab's shutdown or restart asks first): :func:`stop_all`, run
-  at exit, stops every cluster (:meth:`dtlab.lab.cluster.LabCluster.stop`, well
+  at exit, stops every cluster (:meth:`dtlab.lab.kernel.cluster.LabCluster.stop`, well
   under a second: the processes are killed, not asked);
 - it is sent SIGTERM (JupyterLab does, 2.5 s after asking, if the kernel has not
   gone yet): the handler installed by :func:`register` kills every local process
@@ -14,7 +14,7 @@ Four ways a kernel goes, and what ends its clusters in each:
   before;
 - it is killed (SIGKILL, or ``os._exit``, which skips every exit hook; Jupyter's
   kernels ``os._exit`` when their server dies): nothing runs in the kernel, so each
-  process of the cluster watches it instead (:mod:`dtlab.lab.lifeline`) and ends
+  process of the cluster watches it instead (:mod:`dtlab.lab.kernel.lifeline`) and ends
   itself within a fraction of a second.
 """
 
@@ -84,7 +84,7 @@ def on_sigterm(signum, frame) -> None:
     """Kill every cluster's processes, wait (briefly) until they are gone, then do
     what SIGTERM did before: the previous handler, or the default (the process
     ends by SIGTERM)."""
-    from dtlab.lab import processes
+    from dtlab.lab.kernel import processes
 
     processes.wait_gone(kill_all(), timeout=1.0)
     previous = _PREVIOUS.get("handler")

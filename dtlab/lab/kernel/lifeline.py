@@ -4,7 +4,7 @@ Taught in chapter 01 (a cluster dies with its kernel).
 
 The controller and every engine are started through this module::
 
-    python -m dtlab.lab.lifeline --owner 4242 ipyparallel.engine [ARGS...]
+    python -m dtlab.lab.kernel.lifeline --owner 4242 ipyparallel.engine [ARGS...]
 
 It starts a watching thread, then runs the module (``ipyparallel.engine``) in the
 same process, so signals and exit codes stay ipyparallel's own. The thread ends the
@@ -55,7 +55,7 @@ PRELOAD = (
 
 def command(python: str, module: str, *, owner: int | None, preload=False) -> list:
     """The command line that runs ``python -m module`` under a lifeline."""
-    cmd = [python, "-m", "dtlab.lab.lifeline"]
+    cmd = [python, "-m", "dtlab.lab.kernel.lifeline"]
     if owner is not None:
         cmd += ["--owner", str(owner)]
     if preload:
@@ -213,9 +213,11 @@ def main(argv: list[str]) -> None:
         elif flag == "--preload":
             preload = True
         else:
-            raise SystemExit(f"dtlab.lab.lifeline: unknown option {flag}")
+            raise SystemExit(f"dtlab.lab.kernel.lifeline: unknown option {flag}")
     if not argv:
-        raise SystemExit("usage: python -m dtlab.lab.lifeline [--owner PID] MODULE ...")
+        raise SystemExit(
+            "usage: python -m dtlab.lab.kernel.lifeline [--owner PID] MODULE ..."
+        )
     module, args = argv[0], argv[1:]
     follow = module == "ipyparallel.engine"  # an engine follows its controller
     threading.Thread(

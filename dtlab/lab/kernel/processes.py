@@ -9,11 +9,11 @@ its ``controller`` and ``engines`` launchers and their ``process``,
 engines on another host only through the ipyparallel controller, never by a pid
 of this machine.
 
-Each process is started under a :mod:`~dtlab.lab.lifeline`, which ends it when the
-kernel that owns it is gone, and in a session of its own (ipyparallel's local
+Each process is started under a :mod:`~dtlab.lab.kernel.lifeline`, which ends it when
+the kernel that owns it is gone, and in a session of its own (ipyparallel's local
 launcher does that), so :func:`kill` ends its whole tree (an engine's nanny, the
 controller's schedulers) with one signal to its process group.
-:meth:`~dtlab.lab.cluster.LabCluster.stop` is that kill for every local process,
+:meth:`~dtlab.lab.kernel.cluster.LabCluster.stop` is that kill for every local process,
 then a wait until each has exited, then ipyparallel's own stop (which finds them
 gone) for its bookkeeping and for engines on other hosts.
 """
@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 
-from dtlab.lab import lifeline
+from dtlab.lab.kernel import lifeline
 
 
 def ipp_cluster(
@@ -56,7 +56,8 @@ def ipp_cluster(
             ],
             delay=0,  # no pause between engine launches
             log_level=40,
-            shutdown_atexit=False,  # dtlab.lab.teardown stops it, in well under 1 s
+            # dtlab.lab.kernel.teardown stops it, in well under 1 s
+            shutdown_atexit=False,
         )
     # Only the engine count comes from here. The profile's config files are copied
     # to a private folder: ipyparallel writes logs and connection keys into the

@@ -2,7 +2,7 @@
 state copied from a healthy replica, and the loss curve goes on as if nothing had
 happened (chapter 08, next to checkpoints; the idea of torchft).
 
-    run = train(cluster, config, survive=True)      # dtlab.lab.training.train
+    run = train(cluster, config, survive=True)      # dtlab.lab.kernel.training.train
     run.losses()                                    # the curve of an unbroken run
     run.lost                                        # what happened, and its cost
 
@@ -13,9 +13,9 @@ same experts (the expert-data-parallel group); under HSDP its replicate group. I
 random state is its own, and the ranks hand it to each other after every step. So
 when an engine dies mid-run:
 
-1. the run's call ends with :class:`~dtlab.lab.failures.EngineDied` (its peers'
+1. the run's call ends with :class:`~dtlab.lab.kernel.failures.EngineDied` (its peers'
    collectives fail within milliseconds: the dead process's sockets close);
-2. a new engine takes the dead rank (:func:`dtlab.lab.engines.replace`) and the
+2. a new engine takes the dead rank (:func:`dtlab.lab.kernel.replacing.replace`) and the
    world is formed again (``reset``), every other engine and its memory kept;
 3. the ranks resume after the newest step they all finished, the newcomer's state
    sent to it by one of its holders (:mod:`dtlab.lab.engine.replica`), and train to
@@ -29,7 +29,7 @@ Nothing is asked of the learner. Where a rank's state exists nowhere else, the r
 is refused before any engine is touched (:func:`check`): ZeRO over every replica
 (its shard is the only one: ``dtlab.checkpoint`` keeps sharded checkpoints for
 it), a layout without data parallelism, and experts each held by one rank. Each
-loss is recorded in :attr:`TrainRun.lost <dtlab.lab.training.TrainRun>` with its
+loss is recorded in :attr:`TrainRun.lost <dtlab.lab.kernel.training.TrainRun>` with its
 own step and timings: when in the run it was seen (``at_s``), from the dead rank's
 last heartbeat to the error (``detect_s``), a new engine (``replace_s``), the new
 world (``reset_s``), the new engine's imports (``warm_s``), the trainers built
@@ -43,10 +43,10 @@ import statistics
 import time
 
 from dtlab.events import Kind
-from dtlab.lab import engines, failures, processes
 from dtlab.lab.engine import replica
 from dtlab.lab.engine.replica import holders
-from dtlab.lab.failures import EngineDied
+from dtlab.lab.kernel import failures, processes, replacing
+from dtlab.lab.kernel.failures import EngineDied
 
 
 def check(config, world_size: int) -> None:
@@ -165,13 +165,13 @@ def _replace(cluster, error, newest_step: int) -> dict:
     detected = time.time()
     local = cluster.local_pids()
     dead = sorted(r for r, pid in local.items() if not processes.alive(pid))
-    dead += [r for r in engines.dropped(cluster) if r not in dead]
+    dead += [r for r in replacing.dropped(cluster) if r not in dead]
     if not dead:
         raise error
     beats = [failures.read_heartbeat(cluster.board_file(r)) for r in dead]
     last = max((b["t"] for b in beats if b), default=None)
     t = time.perf_counter()
-    engines.replace(cluster, dead)
+    replacing.replace(cluster, dead)
     replaced = time.perf_counter()
     cluster.reset()
     reset = time.perf_counter()

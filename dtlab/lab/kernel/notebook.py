@@ -1,13 +1,13 @@
 """The notebook's cluster: :func:`start` makes (or reuses) it, and ``%%px`` cells
-and dtlab's magics (:mod:`dtlab.lab.magics`) follow it.
+and dtlab's magics (:mod:`dtlab.lab.kernel.magics`) follow it.
 
 Taught in chapter 01; every later chapter starts with ``cluster = start(...)``.
 """
 
 from __future__ import annotations
 
-from dtlab.lab import teardown
-from dtlab.lab.cluster import LabCluster
+from dtlab.lab.kernel import teardown
+from dtlab.lab.kernel.cluster import LabCluster
 
 
 def start(world_size: int | None = None, **kwargs) -> LabCluster:
@@ -49,7 +49,7 @@ def _follow(cluster: LabCluster) -> LabCluster:
         other.px_active = other is cluster
     cluster.px_active = True
     cluster.connect_view()
-    from dtlab.lab.magics import load_ipython_extension
+    from dtlab.lab.kernel.magics import load_ipython_extension
 
     load_ipython_extension(shell)
     return cluster

@@ -1,12 +1,14 @@
-"""How long the live cluster makes a learner wait: ``python -m dtlab.lab.timing``.
+"""How long the live cluster makes a learner wait:
+``python -m dtlab.lab.kernel.timing``.
 
 Taught in chapter 01 (what starting a cluster costs) and read by ``dtlab bench
 cluster`` (:mod:`dtlab.bench.cluster` runs this module in a fresh process, as a
 kernel starts fresh, and prints its rows).
 
 - **cluster start**: from ``LabCluster(...).start()`` to the first ``run`` that
-  returns, split into the phases of :attr:`~dtlab.lab.cluster.LabCluster.start_phases`
-  (controller, engines launched and registered, torch imported on every engine,
+  returns, split into the phases of
+  :attr:`~dtlab.lab.kernel.cluster.LabCluster.start_phases` (controller, engines
+  launched and registered, torch imported on every engine,
   the process group); and ``stop()`` until every process has exited;
 - **dashboard lag**: a training run streams its telemetry into the chapter-07
   :class:`~dtlab.lab.figures.dashboard.Dashboard`; for each event that carries a
@@ -35,7 +37,7 @@ def _first_run() -> int:
 
 def time_starts(world_size: int, repeats: int) -> list[dict]:
     """``repeats`` cold starts of a ``world_size`` CPU cluster, each stopped."""
-    from dtlab.lab.cluster import LabCluster
+    from dtlab.lab.kernel.cluster import LabCluster
 
     out = []
     for _ in range(repeats):
@@ -61,9 +63,9 @@ def time_starts(world_size: int, repeats: int) -> list[dict]:
 
 def time_dashboard_lag(world_size: int, steps: int) -> dict:
     """The lag of every timed event of a ``steps``-step run into the dashboard."""
-    from dtlab.lab.cluster import LabCluster
     from dtlab.lab.figures.dashboard import Dashboard
-    from dtlab.lab.training import start_run
+    from dtlab.lab.kernel.cluster import LabCluster
+    from dtlab.lab.kernel.training import start_run
     from dtlab.model import GPTConfig
     from dtlab.train import TrainConfig
 
@@ -103,7 +105,7 @@ def time_dashboard_lag(world_size: int, steps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dtlab.lab.timing")
+    p = argparse.ArgumentParser(prog="python -m dtlab.lab.kernel.timing")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)

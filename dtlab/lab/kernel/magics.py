@@ -2,13 +2,13 @@
 the ranks, move variables, see every rank's status.
 
 Taught in chapter 01. :func:`dtlab.lab.start` loads them into the notebook (or
-``%load_ext dtlab.lab.magics``); they act on the cluster ``start`` returned last.
+``%load_ext dtlab.lab.kernel.magics``); they act on the cluster ``start`` returned last.
 
 - ``%%rank 0,2`` (also ``%%rank 1-3``, ``%%rank all``): the cell runs on those
   ranks (by rank, not ipyparallel engine id); each rank's output streams into an
-  area of its own under the cell (:mod:`dtlab.lab.output`), and the cell ends as
+  area of its own under the cell (:mod:`dtlab.lab.kernel.output`), and the cell ends as
   ``cluster.run`` does: an error names its rank, a hung rank is named and
-  interrupted, the Stop button stops the ranks (:mod:`dtlab.lab.waiting`).
+  interrupted, the Stop button stops the ranks (:mod:`dtlab.lab.kernel.waiting`).
 - ``%ranks on`` / ``%ranks off``: every following cell runs on all ranks, as if it
   began with ``%%rank all`` (a cell that starts with ``%%local`` still runs in the
   notebook, one with ``%%rank ...`` on its own ranks).
@@ -16,15 +16,15 @@ Taught in chapter 01. :func:`dtlab.lab.start` loads them into the notebook (or
   rank's ``x`` into the notebook's ``x``, a list in rank order (also
   ``cluster.push(x=...)`` / ``cluster.pull("x")``).
 - ``%status``: every rank's pid, host, device, memory, current or last operation
-  and heartbeat (:mod:`dtlab.lab.status`).
+  and heartbeat (:mod:`dtlab.lab.kernel.status`).
 """
 
 from __future__ import annotations
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from dtlab.lab import engines, teardown, waiting
-from dtlab.lab.output import RankOutput
+from dtlab.lab.kernel import replacing, teardown, waiting
+from dtlab.lab.kernel.output import RankOutput
 
 _MODE = {"on": False}  # %ranks on: every cell goes to the ranks
 
@@ -70,7 +70,7 @@ def run_cell(cluster, code: str, ranks: list[int]):
     """Run ``code`` on ``ranks``' engines as a cell, their output in an area each;
     returns the replies in rank order."""
     cluster.check_running()
-    engines.require_registered(cluster, ranks)
+    replacing.require_registered(cluster, ranks)
     if cluster.needs_reset:
         cluster.reset()
     pending = {
@@ -174,5 +174,5 @@ def to_ranks(lines: list[str]) -> list[str]:
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext dtlab.lab.magics`` (done by :func:`dtlab.lab.start`)."""
+    """``%load_ext dtlab.lab.kernel.magics`` (done by :func:`dtlab.lab.start`)."""
     ipython.register_magics(RankMagics)

@@ -12,7 +12,8 @@ gloo's connections between the two sides cross the veth. With a UTS namespace of
 its own the "machine" also has another host name, so dtlab treats its engines as
 remote: rendezvous in the shared folder, gloo on ``DTLAB_IFNAME``, signals through
 ipyparallel's controller, death seen by its heartbeat, and each engine following
-the controller's heartbeat instead of the kernel's pid (:mod:`dtlab.lab.lifeline`).
+the controller's heartbeat instead of the kernel's pid
+(:mod:`dtlab.lab.kernel.lifeline`).
 
 :class:`NamespaceEngineSetLauncher` is ipyparallel's local engine launcher with
 one change: its first ``engines_here`` engines start here, the others as
@@ -32,7 +33,7 @@ import sys
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Integer, Unicode
 
-from dtlab.lab import lifeline
+from dtlab.lab.kernel import lifeline
 
 
 def enter(namespace: str, hostname: str) -> list[str]:

@@ -21,8 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dtlab.lab import failures, processes
 from dtlab.lab.engine import board
+from dtlab.lab.kernel import failures, processes
 
 SILENT = 3.0  # seconds without a heartbeat after which a rank is called silent
 

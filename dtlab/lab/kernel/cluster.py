@@ -2,7 +2,7 @@
 
 Taught in chapter 01; every later chapter starts with ``cluster = start(...)``.
 
-    from dtlab.lab import start             # dtlab.lab.notebook.start
+    from dtlab.lab import start             # dtlab.lab.kernel.notebook.start
     cluster = start(world_size=4)           # 4 CPU engines on gloo (or 1 per GPU)
     cluster.run(fn, *args)                  # fn on every rank; results in rank order
     cluster.reset()                         # fresh process group, same engines
@@ -10,13 +10,14 @@ Taught in chapter 01; every later chapter starts with ``cluster = start(...)``.
     cluster.stop()
 
 Each engine is a separate Python process that joined one ``torch.distributed`` world
-with an explicit rank (engine ids are not ranks: :mod:`dtlab.lab.placement`).
+with an explicit rank (engine ids are not ranks: :mod:`dtlab.lab.kernel.placement`).
 ``%%px`` cells see ``rank``, ``world_size`` and ``topo`` on every engine. What runs
 *on* the engines is in :mod:`dtlab.lab.engine`; this module is the notebook's side.
 
 An error on a rank, a rank that never arrives, a dead engine, the notebook's Stop
 button: each comes back as an error that names the rank and says what every rank
-was doing (:mod:`dtlab.lab.failures`); :meth:`LabCluster.doing` shows that any time.
+was doing (:mod:`dtlab.lab.kernel.failures`); :meth:`LabCluster.doing` shows that any
+time.
 
 Everything listens on loopback only: the ipyparallel controller is bound to
 127.0.0.1, and the torch.distributed rendezvous is a file store (torch's TCPStore
@@ -40,19 +41,19 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from dtlab.lab import (
-    engines,
+from dtlab.lab.engine import call, world
+from dtlab.lab.kernel import (
     failures,
     output,
     placement,
     processes,
+    replacing,
     shipping,
     teardown,
     variables,
     waiting,
 )
-from dtlab.lab.engine import call, world
-from dtlab.lab.failures import WorldDown
+from dtlab.lab.kernel.failures import WorldDown
 
 
 class LabCluster:
@@ -68,7 +69,7 @@ class LabCluster:
     the same path, for the rendezvous of a world that spans machines.
     ``check_collectives``: torch's collective checker on every group (mismatched
     collectives become clean errors, for a few ms per collective:
-    :mod:`dtlab.lab.failures`).
+    :mod:`dtlab.lab.kernel.failures`).
     """
 
     def __init__(
@@ -129,7 +130,7 @@ class LabCluster:
         self.px_active = False  # %%px cells target this cluster (see start())
         self._token = secrets.token_hex(8)  # names this cluster's shared folder
 
-    # ---- where the ranks are (dtlab.lab.placement) -------------------------------
+    # ---- where the ranks are (dtlab.lab.kernel.placement) -------------------------
     @property
     def pids(self) -> dict[int, int]:
         """Each rank's engine pid, on its own host."""
@@ -143,13 +144,14 @@ class LabCluster:
         """Decide each rank's host and GPU, and the backend ``"auto"`` stands for,
         from what every engine reported (:func:`dtlab.lab.engine.world.whereami`);
         :meth:`start` calls it before the world forms. Raises ``ValueError`` for
-        what the machines cannot give (:func:`dtlab.lab.placement.place`)."""
+        what the machines cannot give (:func:`dtlab.lab.kernel.placement.place`)."""
         self.placement = placement.place(where, self.backend, store_dir=self.store_dir)
         self.backend = self.placement.backend
         return self.placement
 
     def rendezvous_folder(self) -> str:
-        """Where the ranks meet (:func:`dtlab.lab.placement.rendezvous_folder`)."""
+        """Where the ranks meet
+        (:func:`dtlab.lab.kernel.placement.rendezvous_folder`)."""
         return placement.rendezvous_folder(
             self.placement,
             private_dir=self.private_dir,
@@ -294,7 +296,7 @@ class LabCluster:
         if check_collectives is not None:
             self.check_collectives = bool(check_collectives)
         waiting.check_alive(self, stopped_for=0.0)
-        engines.replace_dropped(self)  # alive, but the controller forgot them
+        replacing.replace_dropped(self)  # alive, but the controller forgot them
         self._init_world()
         return self
 
@@ -338,7 +340,8 @@ class LabCluster:
     def kill(self, ipp_cluster=None) -> list:
         """SIGKILL every local process of the cluster (controller, engines, their
         children) without waiting or asking ipyparallel: what the kernel's SIGTERM
-        handler does (:mod:`dtlab.lab.teardown`). Returns the processes (psutil)."""
+        handler does (:mod:`dtlab.lab.kernel.teardown`). Returns the processes
+        (psutil)."""
         ipp_cluster = ipp_cluster or self.ipp_cluster
         pids = [x.process.pid for x in processes.local_launchers(ipp_cluster)]
         pids += list(self.local_pids().values())  # whatever the launcher missed
@@ -379,10 +382,10 @@ class LabCluster:
         :attr:`last_events` afterwards. ``timeout`` bounds the whole call (default:
         the cluster's ``call_timeout``). What ``fn`` prints shows under the cell,
         one area per rank (``show_output``; by default from the main thread only:
-        :mod:`dtlab.lab.output`).
+        :mod:`dtlab.lab.kernel.output`).
         """
         self.check_running()
-        engines.require_registered(self)  # a dropped engine: say reset/restart
+        replacing.require_registered(self)  # a dropped engine: say reset/restart
         shipping.ship_by_value(fn)
         record = record or on_events is not None
         interval = publish_interval if on_events is not None else 0.0
@@ -438,15 +441,15 @@ class LabCluster:
 
     def train(self, config, **kwargs):
         """Train a :class:`dtlab.train.TrainConfig` on every rank, with a live loss
-        plot by default: see :func:`dtlab.lab.training.train`."""
-        from dtlab.lab.training import train
+        plot by default: see :func:`dtlab.lab.kernel.training.train`."""
+        from dtlab.lab.kernel.training import train
 
         return train(self, config, **kwargs)
 
     def health(self) -> list[dict]:
         """Each rank's view of itself: pid, process group up, broken reason."""
         self.check_running()
-        engines.require_registered(self)
+        replacing.require_registered(self)
         return waiting.wait_for_ranks(
             self,
             [
@@ -460,7 +463,8 @@ class LabCluster:
     # ---- the ranks' namespaces and status ---------------------------------------
     def push(self, values: dict | None = None, *, ranks=None, **named) -> None:
         """Set variables in every rank's namespace (or ``ranks``'), the one
-        ``%%rank`` cells see: ``cluster.push(lr=0.1)`` (:mod:`dtlab.lab.variables`)."""
+        ``%%rank`` cells see: ``cluster.push(lr=0.1)``
+        (:mod:`dtlab.lab.kernel.variables`)."""
         variables.push(self, {**(values or {}), **named}, ranks)
 
     def pull(self, name: str, *, ranks=None) -> list:
@@ -469,8 +473,8 @@ class LabCluster:
 
     def status(self):
         """Every rank's pid, host, device, memory, current or last operation and
-        heartbeat age, as a table (:mod:`dtlab.lab.status`)."""
-        from dtlab.lab.status import status
+        heartbeat age, as a table (:mod:`dtlab.lab.kernel.status`)."""
+        from dtlab.lab.kernel.status import status
 
         return status(self)
 
