@@ -23,8 +23,9 @@ import psutil
 import pytest
 
 from dtlab.events import Kind
-from dtlab.lab import LabCluster, replicas
+from dtlab.lab import LabCluster
 from dtlab.lab.engine.replica import holders, unsent
+from dtlab.lab.kernel import replicas
 from dtlab.lab.kernel.failures import EngineDied
 from dtlab.lab.kernel.replicas import time_lost
 from dtlab.model import GPTConfig
@@ -44,6 +45,7 @@ LAYOUTS = {
     "dp2-tp2": (Layout(dp=2, tp=2), 1, {}),
     "dp2-pp2": (Layout(dp=2, pp=2), 3, {}),
     "dp2-cp2": (Layout(dp=2, cp=2), 1, dict(cp_variant="ulysses")),
+    "tp2-cp2": (Layout(tp=2, cp=2), 2, dict(cp_variant="ulysses")),  # cp pairs
     "dp4-ep2": (Layout(dp=4, ep=2), 3, dict(model=MOE)),  # rank 1 holds its experts
     "hsdp": (Layout(dp=4), 2, dict(strategy="zero3", zero_shard_size=2)),
 }

@@ -38,6 +38,8 @@ TABLE = {
         "dp1·tp1·pp1·cp4": None,
         "dp1·tp1·pp1·cp4·ep2": None,
         "dp1·tp1·pp1·cp4·ep4": EXPERTS,
+        "dp1·tp2·pp1·cp2": None,  # the cp pair holds the same tp slice
+        "dp1·tp1·pp2·cp2": None,
         "dp2·tp1·pp2": None,
         "dp2·tp2·pp1": None,
         "dp1·tp2·pp2": REFUSED_DP,
@@ -47,6 +49,8 @@ TABLE = {
         "dp4·tp1·pp1": SHARDED,
         "dp2·tp1·pp1·cp2": SHARDED,
         "dp1·tp1·pp1·cp4": SHARDED,
+        "dp1·tp2·pp1·cp2": SHARDED,
+        "dp1·tp1·pp2·cp2": SHARDED,
         "dp2·tp1·pp2": SHARDED,
         "dp2·tp2·pp1": SHARDED,
         "dp1·tp2·pp2": REFUSED_DP,
@@ -56,7 +60,9 @@ TABLE = {
         "dp4·tp1·pp1": None,
         "dp2·tp1·pp1·cp2": None,
         "dp1·tp1·pp1·cp4": None,
-        # dp = 2 is one shard group of 2: nothing replicated
+        # dp = 2 (or dp·cp = 2) is one shard group of 2: nothing replicated
+        "dp1·tp2·pp1·cp2": "zero_shard_size=2",
+        "dp1·tp1·pp2·cp2": "zero_shard_size=2",
         "dp2·tp1·pp2": "zero_shard_size=2",
         "dp2·tp2·pp1": "zero_shard_size=2",
     },
