@@ -36,13 +36,13 @@ equals a single process that averages the live shards' gradients
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from dtlab import comm
+from dtlab.objects import recv_object, send_object
 
 __all__ = ["Quorum", "FaultTolerantReplica"]
 
@@ -162,32 +162,16 @@ class FaultTolerantReplica:
 
     def _heal(self, quorum: Quorum) -> None:
         """``quorum.source`` sends its state to each healing replica, as bytes
-        through :func:`dtlab.comm.send` (the size first, then the payload)."""
+        through :func:`dtlab.comm.send` (:func:`dtlab.objects.send_object`)."""
         for newcomer in quorum.healing:
             if self.rank == quorum.source:
-                payload = _to_bytes(self.state())
-                size = torch.tensor([payload.numel()], dtype=torch.int64)
-                comm.send(size, newcomer, self.group, tag=HEAL_TAG)
-                comm.send(payload, newcomer, self.group, tag=HEAL_TAG)
+                send_object(self.state(), newcomer, self.group, tag=HEAL_TAG)
             elif self.rank == newcomer:
-                size = torch.zeros(1, dtype=torch.int64)
-                comm.recv(size, quorum.source, self.group, tag=HEAL_TAG)
-                payload = torch.empty(int(size.item()), dtype=torch.uint8)
-                comm.recv(payload, quorum.source, self.group, tag=HEAL_TAG)
-                self.load_state(_from_bytes(payload))
-                self.healed_bytes += payload.numel()
+                state, nbytes = recv_object(quorum.source, self.group, tag=HEAL_TAG)
+                self.load_state(state)
+                self.healed_bytes += nbytes
 
     def lose_state(self, model, optimizer) -> None:
         """Stand for a replica replaced by a new process: a fresh ``model`` and
         ``optimizer`` at step 0 (it heals when it next takes part)."""
         self.model, self.optimizer, self.step = model, optimizer, 0
-
-
-def _to_bytes(obj) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def _from_bytes(payload: torch.Tensor):
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)

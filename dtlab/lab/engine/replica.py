@@ -45,7 +45,6 @@ completed.
 from __future__ import annotations
 
 import copy
-import io
 import time
 from collections import deque
 
@@ -55,6 +54,7 @@ import torch.distributed as dist
 from dtlab import comm, telemetry
 from dtlab.events import Kind
 from dtlab.lab.engine.training import engine_topology
+from dtlab.objects import all_gather_objects, recv_object, send_object
 from dtlab.topology import Layout
 from dtlab.train import TrainConfig, Trainer, default_device
 
@@ -220,43 +220,14 @@ def _source(config, layout: Layout, newcomer: int, newcomers) -> int:
 
 def _all_gather_objects(obj) -> list:
     """Every rank's ``obj`` (small: a random state and a record), as bytes through
-    ``dtlab.comm``: the sizes first, then the bytes padded to the largest."""
-    device, world = default_device(), dist.get_world_size()
-    payload = _to_bytes(obj)
-    sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    mine = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    comm.all_gather(sizes, mine, tag=TAG)
-    sizes = sizes.tolist()
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    out = torch.empty(world * len(padded), dtype=torch.uint8, device=device)
-    comm.all_gather(out, padded.to(device), tag=TAG)
-    chunks = out.cpu().view(world, -1)
-    return [_from_bytes(chunks[r, : sizes[r]]) for r in range(world)]
-
-
-def _to_bytes(obj) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def _from_bytes(payload: torch.Tensor):
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    ``dtlab.comm``."""
+    return all_gather_objects(obj, device=default_device(), tag=TAG)
 
 
 def _send(kept, dst: int) -> None:
-    device, payload = default_device(), _to_bytes(kept)
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    comm.send(size, dst, tag=TAG)
-    comm.send(payload.to(device), dst, tag=TAG)
+    send_object(kept, dst, device=default_device(), tag=TAG)
 
 
 def _receive(src: int):
-    device = default_device()
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    comm.recv(size, src, tag=TAG)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    comm.recv(payload, src, tag=TAG)
-    state, records = _from_bytes(payload.cpu())
-    return state, records, payload.numel()
+    (state, records), nbytes = recv_object(src, device=default_device(), tag=TAG)
+    return state, records, nbytes
