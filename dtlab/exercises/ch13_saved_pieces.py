@@ -237,7 +237,6 @@ def _call_plan(solution, what, want, saved):
 )
 def check_load_plan(solution, cluster=None):
     for what, want, saved in PLAN_CASES:
-        assert _run_plan(load_plan(want, list(saved)), want, saved) is None, what
         plan = _call_plan(solution, what, want, saved)
         where = f"{what} (want {want}, saved {list(saved)})"
         if isinstance(plan, ValueError):
@@ -258,12 +257,6 @@ def check_load_plan(solution, cluster=None):
             hint = _plan_hint(plan, want, saved, kind)
             raise ExerciseFailed(f"{where}: {problem}" + (f"; {hint}" if hint else ""))
     for what, want, saved in HOLES:
-        try:
-            load_plan(want, list(saved))
-        except ValueError:
-            pass
-        else:  # pragma: no cover - the reference raises on every hole
-            raise AssertionError(what)
         plan = _call_plan(solution, what, want, saved)
         if not isinstance(plan, ValueError):
             raise ExerciseFailed(
