@@ -212,8 +212,9 @@ def process_context():
     """The multiprocessing context :func:`spawn` starts ranks from.
 
     ``forkserver`` where the platform has it: one server process imports torch and
-    dtlab once, and each rank is forked from it (~0.1 s instead of ~1.9 s for two
-    fresh interpreters, measured on this course's 2-core machine). The server is
+    dtlab once, and each rank is forked from it (two ranks start, all-reduce and
+    finish in 0.15 s instead of 1.9 s as fresh interpreters, on this course's
+    2-core machine). The server is
     started clean (like ``spawn``, never a fork of a threaded parent) and exits with
     its parent. ``spawn`` elsewhere (Windows). Either way ``fn`` must be importable
     by name.
@@ -267,8 +268,8 @@ def spawn(
     **kwargs,
 ):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes (see
-    :func:`process_context`), each with the
-    default process group initialised; return the results in rank order.
+    :func:`process_context`), each with the default process group initialised;
+    return the results in rank order.
 
     ``fn`` must be importable by name (a module-level function), and its result
     picklable. ``timeout`` bounds each collective; ``join_timeout`` (default: two
