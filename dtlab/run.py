@@ -336,8 +336,10 @@ def main(argv=None) -> int:
                 raise ValueError(f"--nproc must be >= 1, got {world}")
         config.check(world)  # before any process group forms
     except (ValueError, NotImplementedError) as exc:
-        if rank == 0:
-            print(f"dtlab run: {exc}", file=sys.stderr)
+        # every rank says why: torchrun stops the others as soon as one exits, so
+        # a message left to rank 0 alone is lost whenever another rank exits first
+        who = f" (rank {rank})" if torchrun else ""
+        print(f"dtlab run{who}: {exc}", file=sys.stderr)
         return 2
     if not torchrun:
         from dtlab.launch import RankError
