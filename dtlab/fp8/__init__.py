@@ -10,8 +10,9 @@ Transformer Engine and PyTorch's torchao:
   tensor's amax) or :class:`DelayedScaling` (an amax history), bundled in a
   :class:`Recipe`;
 - :mod:`dtlab.fp8.linear`: :class:`Float8Linear`, whose forward and two backward
-  matmuls run in FP8 through ``torch._scaled_mm`` or an emulation with the same
-  rounding (:func:`fp8_matmul`), and :func:`convert_to_float8`, which installs it;
+  matmuls run in FP8 through ``torch._scaled_mm`` on a GPU, or on CPU an emulation
+  that multiplies the same FP8 values (:func:`fp8_matmul`), and
+  :func:`convert_to_float8`, which installs it;
 - :mod:`dtlab.fp8.wire`: FP8 weights all-gathered as bytes (:func:`all_gather_fp8`)
   and the per-parameter savings (:func:`fp8_memory`);
 - :mod:`dtlab.fp8.curves`: fp32, bf16 and FP8 loss curves of the course's GPT
