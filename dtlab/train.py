@@ -10,7 +10,7 @@ way. ``strategy`` names what runs over the data-parallel axis (``ddp``,
 config, plain DDP included); :class:`Trainer` runs the steps on them.
 
 ``train(config, topo=None)`` runs on *every* rank of the world: under the lab's
-engines (``dtlab.lab.kernel.training.train(cluster, config)``), under
+engines (``dtlab.lab.kernel.training.train_on_cluster(cluster, config)``), under
 :func:`dtlab.launch.spawn`, or under torchrun. Each step:
 
 1. every rank draws the same global batch (:class:`dtlab.model.SyntheticTokens`, a

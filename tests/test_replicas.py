@@ -183,7 +183,7 @@ def test_records_a_kill_left_in_flight_are_sent_again_once(monkeypatch):
     def step(rank, s, **more):
         return {"kind": Kind.STEP, "rank": rank, "step": s, **more}
 
-    class Engines:  # the cluster, its engines following replica.train
+    class Engines:  # the cluster, its engines following replica.train_resuming
         world_size = 4
 
         def run(self, fn, config, newcomers, pace, handed, *, on_events, **_):

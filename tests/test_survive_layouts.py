@@ -1,4 +1,4 @@
-"""Which runs ``train(cluster, config, survive=True)`` takes on, and which it
+"""Which runs ``cluster.train(config, survive=True)`` takes on, and which it
 refuses before any engine is touched (issue 29).
 
 A lost rank's state can be restored only from a rank that holds the same shards
@@ -14,7 +14,7 @@ tests/test_replicas.py.
 import pytest
 
 from dtlab.lab.engine.replica import holders
-from dtlab.lab.kernel.training import train
+from dtlab.lab.kernel.training import train_on_cluster
 from dtlab.model import GPTConfig
 from dtlab.topology import Layout, factorisations
 from dtlab.train import TrainConfig
@@ -114,7 +114,7 @@ def test_every_layout_is_survived_or_refused_by_name_before_any_engine(key):
                 assert len(holders(config, config.layout, rank)) >= 2, (name, rank)
             continue
         with pytest.raises(ValueError, match=refusal):
-            train(Untouchable(), config, live=False, survive=True)
+            train_on_cluster(Untouchable(), config, live=False, survive=True)
 
 
 def test_the_holders_of_a_rank_hold_the_same_shards():

@@ -105,12 +105,14 @@ def _layouts_and_records():
 
 @pytest.mark.cluster
 def test_lab_train_streams_records_that_match_the_reference(lab_cluster):
-    from dtlab.lab.kernel.training import train as lab_train
+    from dtlab.lab.kernel.training import train_on_cluster
 
     cluster = lab_cluster(4)
     config = TrainConfig(steps=6, global_batch_size=8, bucket_cap_mb=0.1)
     batches = []
-    run = lab_train(cluster, config, live=True, on_records=batches.append, timeout=120)
+    run = train_on_cluster(
+        cluster, config, live=True, on_records=batches.append, timeout=120
+    )
 
     streamed = [r for b in batches for r in b]
     assert len(streamed) == 4 * 6 and all(r["kind"] == "step" for r in streamed)
@@ -148,12 +150,14 @@ def test_lab_train_streams_records_that_match_the_reference(lab_cluster):
 
 @pytest.mark.cluster
 def test_lab_train_rejects_a_config_before_starting(lab_cluster):
-    from dtlab.lab.kernel.training import train as lab_train
+    from dtlab.lab.kernel.training import train_on_cluster
 
     with pytest.raises(ValueError, match="multiple of 12"):
-        lab_train(lab_cluster(4), TrainConfig(global_batch_size=6, grad_accum_steps=3))
+        train_on_cluster(
+            lab_cluster(4), TrainConfig(global_batch_size=6, grad_accum_steps=3)
+        )
     with pytest.raises(ValueError, match="TrainConfig"):
-        lab_train(lab_cluster(4), {"steps": 3})
+        train_on_cluster(lab_cluster(4), {"steps": 3})
 
 
 def _strategies_on_engine(names, steps):

@@ -12,7 +12,7 @@ process a function runs in is told by where it lives:
   push and pull, per-rank output; training on the cluster);
 - what the learner sees, also in the kernel: :mod:`~dtlab.lab.figures` (every
   chapter's figures, the dashboard, live figures), :mod:`~dtlab.lab.widgets` (the
-  control panel), :mod:`~dtlab.lab.planner` (the planner panel),
+  control panel), :mod:`~dtlab.lab.planner_panel` (the planner panel),
   :mod:`~dtlab.lab.drill` (the interview drill), :mod:`~dtlab.lab.lessons` (each
   chapter's helpers), :mod:`~dtlab.lab.predictions` (``predict``, ``compare``,
   ``prediction_log``, kept on disk across the course), :mod:`~dtlab.lab.source`

@@ -19,7 +19,7 @@ rank and calls the functions of this package there, each in that engine's own pr
   notebook through ipyparallel's data publication;
 - :mod:`~dtlab.lab.engine.stop`: the signal handler the Stop button reaches;
 - :mod:`~dtlab.lab.engine.training`: the training loops the notebook's
-  :func:`dtlab.lab.kernel.training.train` and
+  :func:`dtlab.lab.kernel.training.train_on_cluster` and
   :func:`~dtlab.lab.kernel.training.start_run` run;
 - :mod:`~dtlab.lab.engine.replica`: a training run that keeps copies of its state,
   to resume on a new engine from a replica's (:mod:`dtlab.lab.kernel.replicas`);

@@ -11,12 +11,12 @@ dropout masks), so after every step the ranks hand each other theirs, with their
 newest record (one small all-gather, tag ``"replica"``): then nothing of a lost
 rank exists on it alone.
 
-:func:`train` runs ``config`` one step at a time and keeps, after each step that
-every rank finished, a copy of this rank's state and records and every rank's
+:func:`train_resuming` runs ``config`` one step at a time and keeps, after each
+step that every rank finished, a copy of this rank's state and records and every rank's
 random state and records, in this engine's memory (the newest :data:`KEEP`).
 
 When an engine dies, the notebook (:mod:`dtlab.lab.kernel.replicas`) replaces it and
-calls :func:`train` again on every rank with ``newcomers``, the ranks on new
+calls :func:`train_resuming` again on every rank with ``newcomers``, the ranks on new
 engines. Then, in the new world:
 
 1. the ranks agree on the step to resume after: the newest step that every
@@ -90,7 +90,9 @@ def warm() -> None:
     :mod:`dtlab.train` and every technique (seconds on a cold engine)."""
 
 
-def train(config: TrainConfig, newcomers=(), pace: float = 0.0, handed=None) -> dict:
+def train_resuming(
+    config: TrainConfig, newcomers=(), pace: float = 0.0, handed=None
+) -> dict:
     """Train ``config`` to its last step on this rank, resuming if the run was
     interrupted (see the module docstring). ``newcomers``: the ranks whose engines
     are new; ``handed``: ``{rank: the steps of its records the notebook has}``,

@@ -1,5 +1,5 @@
 """The training loops that run on every engine: what the notebook's
-:func:`dtlab.lab.kernel.training.train` and
+:func:`dtlab.lab.kernel.training.train_on_cluster` and
 :func:`dtlab.lab.kernel.training.start_run` ship.
 
 Both run :class:`dtlab.train.Trainer` on the topology the engine made at start,

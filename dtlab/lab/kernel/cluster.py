@@ -441,10 +441,10 @@ class LabCluster:
 
     def train(self, config, **kwargs):
         """Train a :class:`dtlab.train.TrainConfig` on every rank, with a live loss
-        plot by default: see :func:`dtlab.lab.kernel.training.train`."""
-        from dtlab.lab.kernel.training import train
+        plot by default: see :func:`dtlab.lab.kernel.training.train_on_cluster`."""
+        from dtlab.lab.kernel.training import train_on_cluster
 
-        return train(self, config, **kwargs)
+        return train_on_cluster(self, config, **kwargs)
 
     def health(self) -> list[dict]:
         """Each rank's view of itself: pid, process group up, broken reason."""

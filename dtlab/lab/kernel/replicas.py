@@ -2,7 +2,7 @@
 state copied from a healthy replica, and the loss curve goes on as if nothing had
 happened (chapter 08, next to checkpoints; the idea of torchft).
 
-    run = train(cluster, config, survive=True)      # dtlab.lab.kernel.training.train
+    run = cluster.train(config, survive=True)  # kernel.training.train_on_cluster
     run.losses()                                    # the curve of an unbroken run
     run.lost                                        # what happened, and its cost
 
@@ -121,7 +121,7 @@ def train_surviving(
     while True:
         try:
             out = cluster.run(
-                replica.train,
+                replica.train_resuming,
                 config,
                 newcomers,
                 pace,

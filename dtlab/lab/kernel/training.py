@@ -2,10 +2,10 @@
 
 Taught in chapter 02; every later chapter trains through it.
 
-    from dtlab.lab.kernel.training import train
+    from dtlab.lab.kernel.training import train_on_cluster
     from dtlab.train import TrainConfig
 
-    run = train(cluster, TrainConfig(steps=30), live=True)   # a live loss plot
+    run = train_on_cluster(cluster, TrainConfig(steps=30))  # a live loss plot
     run.losses()                  # the global-batch loss per step
     run.records[2][-1]            # rank 2's last record
     run.events                    # every telemetry event of the run, all ranks
@@ -39,7 +39,7 @@ from dtlab.train import TrainConfig
 
 @dataclass
 class TrainRun:
-    """What :func:`train` returns."""
+    """What :func:`train_on_cluster` returns."""
 
     config: TrainConfig
     records: list[list[dict]]  # records[rank][step]
@@ -58,7 +58,7 @@ class TrainRun:
         return [rec["loss"] for rec in self.records[0]]
 
 
-def train(
+def train_on_cluster(
     cluster,
     config: TrainConfig,
     live: bool = True,

@@ -213,7 +213,7 @@ def bucket_sweep(cluster, config, caps, steps: int = 6, skip: int = 2):
     communication, measured and modelled."""
     from dtlab import estimate as est
     from dtlab.ddp import MB
-    from dtlab.lab.kernel.training import train
+    from dtlab.lab.kernel.training import train_on_cluster
     from dtlab.model import GPT
 
     n = cluster.world_size
@@ -226,7 +226,7 @@ def bucket_sweep(cluster, config, caps, steps: int = 6, skip: int = 2):
     sizes = [p.numel() * 4 for p in GPT(config.model).parameters()][::-1]
     runs, rows = {}, []
     for cap in caps:
-        runs[cap] = train(
+        runs[cap] = train_on_cluster(
             cluster,
             config.replace(steps=steps, bucket_cap_mb=cap),
             live=False,

@@ -49,7 +49,7 @@ QUESTIONS = [
 def confirm(ok, claim: str, detail: str = "") -> None:
     """Print ``✓ claim`` (and ``detail``) when ``ok`` holds; otherwise raise an
     ``AssertionError`` naming the claim and what was found. (The same contract as
-    chapters 00-03's ``dtlab.lab.lessons.checks.confirm``.)"""
+    chapters 00-03's ``dtlab.lab.lessons.confirm.confirm``.)"""
     if not ok:
         raise AssertionError(f"✗ {claim}" + (f": {detail}" if detail else ""))
     print(f"✓ {claim}" + (f" ({detail})" if detail else ""))

@@ -19,7 +19,7 @@ import ipywidgets as W
 from dtlab import estimate, pipeline
 from dtlab.events import SCHEDULES, schedule_name
 from dtlab.lab.figures.pipeline import pipeline_ideal_vs_measured
-from dtlab.lab.lessons.checks import confirm
+from dtlab.lab.lessons.confirm import confirm
 from dtlab.lab.predictions import Question
 from dtlab.topology import Layout
 

@@ -3,7 +3,7 @@ fit out, with their memory per device and step time, and why the others do not.
 
 Taught in chapter 09 (planning at scale).
 
-    from dtlab.lab.planner import PlannerPanel
+    from dtlab.lab.planner_panel import PlannerPanel
     panel = PlannerPanel(model="70B", n_gpus=8)
     panel                          # controls, the figure and the table
     plan = panel.update(n_gpus=16, inter_GBps=12.5)   # what editing the boxes does
