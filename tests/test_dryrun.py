@@ -39,8 +39,11 @@ def _config(**changes):
 
 
 def _real_runs(configs):
-    """On every rank of a real gloo world: measure_step of each config."""
-    return [measure_step(c) for c in configs]
+    """On every rank of a real gloo world: measure_step of each config, and of the
+    first a second step without the flush (the steady state the flush stands for)."""
+    return [measure_step(c) for c in configs] + [
+        measure_step(configs[0], steps=2, flush=False)
+    ]
 
 
 def _without_times(measurement):
@@ -50,7 +53,7 @@ def _without_times(measurement):
 def test_a_small_layout_dry_runs_to_the_bytes_a_real_gloo_run_records():
     from dtlab.launch import spawn
 
-    zero1 = _config(strategy="zero1")  # two steps: the lazy gather is measured
+    zero1 = _config(strategy="zero1")  # its lazy gather flushed into the step
     bf16 = _config(strategy="ddp", precision="bf16")
     real = spawn(_real_runs, 8, [zero1, bf16], timeout=120)
     dry = dry_run(zero1, 8, rank=list(range(8)))
@@ -59,7 +62,9 @@ def test_a_small_layout_dry_runs_to_the_bytes_a_real_gloo_run_records():
         got = dry.rank(r).measurement
         assert got["coords"] == real[r][0]["coords"]
         assert _without_times(got) == _without_times(real[r][0]), f"rank {r}"
-        assert got["steps"] == 2
+        assert got["steps"] == 1
+        # one step and the flushed gather = a second step's steady state, to the byte
+        assert _without_times(real[r][0]) == _without_times(real[r][2]), f"rank {r}"
     # 16-bit: everything equal but the LayerNorm statistics, by their stated count
     dry16 = dry_run(bf16, 8, rank=[0, 6])  # first and last stage
     for r in (0, 6):

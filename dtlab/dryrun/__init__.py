@@ -6,8 +6,9 @@ fake process group of ``world_size`` ranks, with meta-device weights.
 asked, joins PyTorch's ``fake`` process group as that rank in a spawned process
 (collectives return at once; subgroups work), builds :class:`dtlab.train.Trainer`
 (:func:`dtlab.parallelize.parallelize`: tensor parallelism, the pipeline stage,
-checkpointing, ZeRO or DDP, precision) on the meta device, and runs the step
-(ZeRO-1 and -2: two steps, the second measured) with dtlab's telemetry on
+checkpointing, ZeRO or DDP, precision) on the meta device, and runs one step
+(ZeRO-1 and -2 then start the all-gather the next forward would: counted in the
+step, as the steady state sends it) with dtlab's telemetry on
 (:mod:`dtlab.dryrun.child`). What comes back is what dtlab's own accounting
 recorded on that rank: the bytes held by category (:mod:`dtlab.memory`) and the
 bytes every :mod:`dtlab.comm` call sent, by axis and op. Each is set beside

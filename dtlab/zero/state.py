@@ -133,12 +133,17 @@ class ShardedState(nn.Module):
                 else:
                     grad.zero_()
 
-    def sync_params(self) -> None:
+    def sync_params(self, wait: bool = False) -> None:
         """All-gather the updated slices into the full weights now (stages 0-2 and
         replicated units do it by themselves at the next forward after an optimizer
-        step; stage 3 gathers from the slices before every use anyway)."""
+        step; stage 3 gathers from the slices before every use anyway). The gathers
+        are in flight on return, each unit's forward waiting for its own; ``wait``:
+        until all of them have landed."""
         self._dirty = False
-        self._gather.refresh(self._kept_whole())
+        units = self._kept_whole()
+        self._gather.refresh(units)
+        for u in units if wait else ():
+            self._gather.wait(u)
 
     def _kept_whole(self) -> list:
         """The units whose full weights live between steps: all of them below stage
