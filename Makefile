@@ -7,6 +7,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8888
 STAMP  := $(VENV)/.dtlab-installed
+# pytest-xdist processes for `make test` (a chapter's cells stay in one process);
+# much of the suite waits on engines, timeouts and kernels, so 2 helps on 2 cores
+WORKERS ?= 2
 
 .PHONY: lab test install clean figures browser
 
@@ -16,9 +19,9 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check dtlab tests notebooks cluster
 	$(BIN)/ruff format --check dtlab tests notebooks cluster
-	$(BIN)/python -m pytest --durations=20 tests
+	$(BIN)/python -m pytest -n $(WORKERS) --durations=20 tests
 	DTLAB_SUBSTITUTE_SOLUTIONS=1 $(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=300 \
-		-p tests.nbval_guard notebooks
+		-p tests.nbval_guard -n $(WORKERS) --dist loadfile notebooks
 
 install: $(STAMP)
 

@@ -38,8 +38,13 @@ CLAIMS = pathlib.Path(__file__).resolve().parent / "claims"
 
 
 def pytest_configure(config):
-    # inherited by kernels, controllers and engines (a caller may choose the tag)
-    os.environ.setdefault(TAG, uuid.uuid4().hex)
+    # inherited by kernels, controllers and engines (a caller may choose the tag);
+    # under pytest-xdist each worker has its own, so one worker's clean-up never
+    # kills the other worker (psutil reads a process's environment as it started)
+    if getattr(config, "workerinput", None) is not None:  # an xdist worker
+        os.environ[TAG] = uuid.uuid4().hex
+    else:
+        os.environ.setdefault(TAG, uuid.uuid4().hex)
     if "DTLAB_HOME" not in os.environ:
         os.environ["DTLAB_HOME"] = tempfile.mkdtemp(prefix="dtlab-home-")
 
@@ -146,4 +151,8 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_unconfigure(config):
+    if getattr(config, "workerinput", None) is None and config.getoption(
+        "numprocesses", None
+    ):
+        return  # xdist's controller: its workers (which carry its tag) reaped theirs
     reap()
