@@ -69,7 +69,7 @@ def test_dtlab_lab_serves_the_course_with_a_token():
         listening = [
             c.laddr.ip
             for p in [server, *server.children(recursive=True)]
-            for c in p.net_connections(kind="inet")
+            for c in _connections(p)
             if c.status == psutil.CONN_LISTEN
         ]
         assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening)
@@ -80,6 +80,15 @@ def test_dtlab_lab_serves_the_course_with_a_token():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _connections(p: psutil.Process) -> list:
+    """``p``'s inet sockets, or none if it ended meanwhile (the server starts short
+    helper processes; on a busy machine one may exit between listing and reading)."""
+    try:
+        return p.net_connections(kind="inet")
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _help(argv) -> int:
