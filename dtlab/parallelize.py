@@ -248,8 +248,8 @@ def apply_model_parallel(config, topo: Topology, device) -> list[nn.Module]:
             apply_context_parallel(module, topo.axis("cp"), config.cp_variant)
     for module in modules:
         module.to(device).train()  # its GPU under nccl
-        if sp:
-            _sum_sequence_parallel_grads(module, tp)
+        if sp:  # before any wrapper takes gradients during backward
+            module.sum_sequence_parallel_grads_in_backward()
     return modules
 
 
@@ -418,19 +418,3 @@ def _zero_units(module, tied_across_stages: bool) -> list[nn.Module]:
         if module.last:
             units.append(module.head)
     return units
-
-
-def _sum_sequence_parallel_grads(module, tp) -> None:
-    """Under sequence parallelism the LayerNorms, row-parallel biases and position
-    embedding see only this rank's tokens: their gradients are partial sums over
-    tp. Summing each as it is produced (a hook before accumulation) keeps every
-    later stage (accumulation, DDP buckets, ZeRO's reduce-scatter) unaware."""
-
-    def hook(grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        comm.all_reduce(grad, group=tp, tag="sp_grads")
-        return grad
-
-    for p in module.parameters():
-        if getattr(p, "sequence_parallel", False):
-            p.register_hook(hook)

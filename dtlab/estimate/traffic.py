@@ -93,7 +93,8 @@ def _stage_traffic(
         if sequence_parallel:
             # the replicated weights of the sequence-split regions (norms,
             # row-parallel biases, positions) get their gradients summed over tp,
-            # as each backward produces them (dtlab.parallelize's hook): once per
+            # as each backward produces them (TensorParallelStage.sum_sequence_
+            # parallel_grads_in_backward, which parallelize asks for): once per
             # microbatch, where Megatron sums once per step
             repl = sp["layers"] * layer_params(spec)["replicated"]
             if first and spec.learned_positions:

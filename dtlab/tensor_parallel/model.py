@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dtlab import comm
 from dtlab.gradsync import all_reduce_flat
 from dtlab.model import GPT, GPTConfig
 from dtlab.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -153,6 +154,7 @@ class TensorParallelStage(nn.Module):
         for p in replicated:
             p.sequence_parallel = sp
         self._sp_grads_pending = False
+        self._sp_grads_in_backward = False
 
     @classmethod
     def from_stage(cls, stage, axis, *, sequence_parallel=False, seed=0):
@@ -211,7 +213,7 @@ class TensorParallelStage(nn.Module):
         for block in self.blocks.values():
             x = block(x)  # (B, T, C), or (B, T/t, C) under SP
         if self.sequence_parallel and torch.is_grad_enabled():
-            self._sp_grads_pending = True
+            self._sp_grads_pending = not self._sp_grads_in_backward
         if not self.last:
             return x
         logits, loss = self.output(x, targets)
@@ -222,16 +224,38 @@ class TensorParallelStage(nn.Module):
         """Under sequence parallelism, sum the partial gradients of the parameters
         that live in the sequence-sharded regions (LayerNorms, row-parallel biases,
         position embeddings) over tp, in one coalesced all-reduce, as Megatron does
-        after backward. Idempotent: a second call before the next forward is free."""
+        after backward. Idempotent: a second call before the next forward is free.
+        Nothing to do after :meth:`sum_sequence_parallel_grads_in_backward`."""
         if not self._sp_grads_pending:
             return
         self._sp_grads_pending = False
-        grads = [
-            p.grad
-            for p in self.parameters()
-            if getattr(p, "sequence_parallel", False) and p.grad is not None
-        ]
-        all_reduce_flat(grads, self.axis, tag="sp_grads")
+        all_reduce_flat(
+            [p.grad for p in self._sequence_parallel_params() if p.grad is not None],
+            self.axis,
+            tag="sp_grads",
+        )
+
+    def sum_sequence_parallel_grads_in_backward(self) -> None:
+        """The same sum, moved into backward: each of those gradients is summed over
+        tp as backward produces it (a hook before accumulation), and
+        :meth:`finish_gradient_synchronization` has nothing left to do. What a
+        data-parallel wrapper that takes gradients during backward needs (DDP's
+        buckets, ZeRO-2/3's reduce-scatter: :func:`dtlab.parallelize.parallelize`
+        asks for it), at a price: one all-reduce per parameter and per microbatch,
+        where the coalesced sum is one per step (dtlab.estimate counts it so)."""
+        if self._sp_grads_in_backward:
+            return
+        self._sp_grads_in_backward, self._sp_grads_pending = True, False
+        for p in self._sequence_parallel_params():
+            p.register_hook(self._sum_over_tp)
+
+    def _sequence_parallel_params(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
+
+    def _sum_over_tp(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        comm.all_reduce(grad, group=self.axis, tag="sp_grads")
+        return grad
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """The whole ``(B, T, V)`` logits (for tests and sampling, not training)."""
