@@ -266,6 +266,32 @@ def _counts(tp, sp):
     return [e for e in rec.events if e["kind"] == "comm"]
 
 
+def _sp_sum_timings(tp):
+    """The SP gradient sum once after backward (coalesced) and in backward (a hook
+    per parameter): the same gradients, and what each sends."""
+    topo = _topo(tp)
+    x, y = SyntheticTokens(CFG.vocab_size, CFG.seq_len).batch(0, 4)
+    out = {}
+    for mode in ("after", "in"):
+        model = tensor_parallel_gpt(GPT(CFG), topo, sequence_parallel=True)
+        if mode == "in":
+            model.sum_sequence_parallel_grads_in_backward()
+            model.sum_sequence_parallel_grads_in_backward()  # asked twice: once
+        rec = telemetry.Recorder(topo.rank)
+        with telemetry.use(rec):
+            _, loss = model(x, y)
+            loss.backward()
+            model.finish_gradient_synchronization()  # nothing left in backward mode
+        sums = [e for e in rec.events if e["kind"] == "comm" and e["tag"] == "sp_grads"]
+        out[mode] = {
+            "grads": model.full_tensors(grads=True),
+            "calls": len(sums),
+            "payload": sum(e["payload_bytes"] for e in sums),
+            "params": len(model._sequence_parallel_params()),
+        }
+    return out
+
+
 def _dropout(tp):
     """Masks: equal across the tp group where activations are replicated, different
     where they are sharded; the replicated residual stream stays equal."""
@@ -494,6 +520,19 @@ def test_collectives_per_layer_match_the_estimate(lab_cluster, sp):
                 *[("loss:fwd", "all_reduce")] * 3,
                 ("wte:fwd", "all_reduce"),
             ]
+
+
+def test_sp_gradient_sum_after_or_in_backward_gives_the_same_gradients(lab_cluster):
+    """parallelize moves the sum into backward (its wrappers take gradients there):
+    the same sum, bit for bit (two addends commute), one all-reduce per parameter
+    instead of one coalesced, the same bytes; never summed twice."""
+    for res in lab_cluster(4).run(_sp_sum_timings, 2):
+        after, inside = res["after"], res["in"]
+        assert after["grads"].keys() == inside["grads"].keys()
+        for name, g in after["grads"].items():
+            assert torch.equal(g, inside["grads"][name]), name
+        assert after["calls"] == 1 and inside["calls"] == inside["params"] > 1
+        assert after["payload"] == inside["payload"] > 0
 
 
 def test_dropout_masks_replicated_vs_sharded(lab_cluster):
