@@ -4,9 +4,9 @@ interleaved in the same processes so both see the same machine load (chapter 02)
 
 Where dtlab is slower, and why it stays so: at N = 2 on a 2-core Sapphire Rapids Xeon,
 eight runs of 30 steps gave dtlab/torch 0.99-1.24, median 1.04. A profile of rank 0
-(cProfile, 20 steps, the same model) puts the whole difference in backward: 31 ms a
-step inside dtlab's ``loss.backward()`` against 28 ms in PyTorch's (under the
-profiler), forward and AdamW equal. The work is the same (per-parameter readiness,
+(cProfile, 20 steps, the same model; it inflates Python's share) puts the difference
+in backward: 31 ms a step inside dtlab's ``loss.backward()`` against 28 ms in
+PyTorch's, forward and AdamW equal. The work is the same (per-parameter readiness,
 13 bucket copies, launches and waits, the copy back); dtlab's runs in Python hooks,
 PyTorch's Reducer in C++. A course keeps it in Python, where the learner can read
 it."""
