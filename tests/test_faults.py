@@ -271,9 +271,9 @@ def test_exception_inside_a_collective_during_backward(
 class _StopButton:
     """Jupyter's Stop (SIGINT to the kernel, as ``_thread.interrupt_main``) pressed
     ``at`` seconds from now, and pressed again every second until the main thread
-    has received it, as a learner does when nothing happens. In two of about ten
-    full runs of the suite on a loaded machine, a single press left ``cluster.run``
-    waiting as if none came, until the group's timeout: the SIGINT handler was
+    has received it, as a learner does when nothing happens. In two of five full
+    runs of the suite on 2 cores, a single press left ``cluster.run`` waiting as
+    if none came, until the group's timeout: the SIGINT handler was
     Python's default (no test changes it: checked after every test) and nothing in
     the wait loop catches ``KeyboardInterrupt``; where that press went is not
     found. What the lab does once the main thread receives it is what this test
