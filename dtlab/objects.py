@@ -5,7 +5,9 @@ byte is recorded like any tensor's (torch's ``send_object_list`` and
 A replica that lost its state gets it from one that holds it: chapter 08's
 replaced engine (:mod:`dtlab.lab.engine.replica`) and chapter 13's healed replica
 (:mod:`dtlab.ft.quorum`). An object travels as its ``torch.save`` bytes (tensors
-inside it included), the size first.
+inside it included), the size first. Headless runs gather every rank's event log
+(:mod:`dtlab.run`) and resharding checkpoints every rank's index
+(:mod:`dtlab.reshard.save`) through the same :func:`all_gather_bytes`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import torch
 
 from dtlab import comm
 
-__all__ = ["to_bytes", "from_bytes", "send_object", "recv_object", "all_gather_objects"]
+__all__ = [
+    "to_bytes",
+    "from_bytes",
+    "send_object",
+    "recv_object",
+    "all_gather_bytes",
+    "all_gather_objects",
+]
 
 
 def to_bytes(obj) -> torch.Tensor:
@@ -51,18 +60,30 @@ def recv_object(src: int, group=None, *, device=None, tag=None):
     return from_bytes(payload), payload.numel()
 
 
-def all_gather_objects(obj, group=None, *, device=None, tag=None) -> list:
-    """Every rank's ``obj``, in group-rank order: the sizes first, then the bytes
-    padded to the largest (meant for small objects: a random state, a record)."""
+def all_gather_bytes(data: bytes, group=None, *, device=None, tag=None) -> list:
+    """Every rank's ``data``, in group-rank order: the lengths first, then the bytes
+    padded to the longest (two all-gathers of uint8 through :mod:`dtlab.comm`)."""
     n = comm.group_size(group)
-    payload = to_bytes(obj)
-    sizes = torch.zeros(n, dtype=torch.int64, device=device)
-    mine = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = torch.empty(n, dtype=torch.int64, device=device)
+    mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
     comm.all_gather(sizes, mine, group, tag=tag)
     sizes = sizes.tolist()
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    out = torch.empty(n * len(padded), dtype=torch.uint8, device=device)
+    width = max(max(sizes), 1)
+    padded = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(n * width, dtype=torch.uint8, device=device)
     comm.all_gather(out, padded.to(device), group, tag=tag)
-    chunks = out.cpu().view(n, -1)
-    return [from_bytes(chunks[r, : sizes[r]]) for r in range(n)]
+    rows = out.cpu().view(n, width)
+    return [rows[r, : sizes[r]].numpy().tobytes() for r in range(n)]
+
+
+def all_gather_objects(obj, group=None, *, device=None, tag=None) -> list:
+    """Every rank's ``obj``, in group-rank order, as :func:`all_gather_bytes` of
+    their ``torch.save`` bytes (meant for small objects: a random state, a record)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return [
+        torch.load(io.BytesIO(data), weights_only=False)
+        for data in all_gather_bytes(buffer.getvalue(), group, device=device, tag=tag)
+    ]

@@ -160,25 +160,11 @@ def load_config(path, overrides=()) -> TrainConfig:
 
 # ---- one rank ------------------------------------------------------------------------
 def _all_gather_bytes(data: bytes) -> list[bytes]:
-    """Every rank's ``data``, through :mod:`dtlab.comm` (sizes first, then the
-    padded bytes): rank 0 needs all ranks' events even when no filesystem is
-    shared between nodes."""
-    import torch
-    import torch.distributed as dist
+    """Every rank's ``data`` (:func:`dtlab.objects.all_gather_bytes`): rank 0 needs
+    all ranks' events even when no filesystem is shared between nodes."""
+    from dtlab.objects import all_gather_bytes
 
-    from dtlab import comm
-
-    n, dev = dist.get_world_size(), default_device()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    sizes = torch.empty(n, dtype=torch.int64, device=dev)
-    comm.all_gather(sizes, size, tag="run/gather")
-    width = max(int(sizes.max()), 1)
-    mine = torch.zeros(width, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = torch.empty(n * width, dtype=torch.uint8, device=dev)
-    comm.all_gather(out, mine.to(dev), tag="run/gather")
-    out = out.cpu().view(n, width)
-    return [bytes(out[r, : int(sizes[r])].tolist()) for r in range(n)]
+    return all_gather_bytes(data, device=default_device(), tag="run/gather")
 
 
 def _step_line(record: dict, steps: int, wire: float) -> str:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab import comm
+from dtlab.objects import all_gather_bytes
 from dtlab.reshard.format import (
     FORMAT,
     METADATA,
@@ -96,25 +97,13 @@ def _write_pieces(path, rank, mine, optimizer) -> list[dict]:
 
 
 def _all_gather_json(obj, device) -> list:
-    """Every rank's JSON-able ``obj``, in rank order: the byte counts first, then
-    the bytes, padded to the longest (two all-gathers of uint8 through comm)."""
+    """Every rank's JSON-able ``obj``, in rank order
+    (:func:`dtlab.objects.all_gather_bytes` of its JSON)."""
     _, world = _world()
     if world == 1:
         return [obj]
-    raw = json.dumps(obj).encode()
-    size = torch.tensor([len(raw)], dtype=torch.int64, device=device)
-    sizes = torch.empty(world, dtype=torch.int64, device=device)
-    comm.all_gather(sizes, size, tag="reshard/plan")
-    width = int(sizes.max())
-    mine = torch.zeros(width, dtype=torch.uint8)
-    mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    out = torch.empty(world * width, dtype=torch.uint8, device=device)
-    comm.all_gather(out, mine.to(device), tag="reshard/plan")
-    out = out.cpu()
-    return [
-        json.loads(bytes(out[r * width : r * width + int(n)].tolist()).decode())
-        for r, n in enumerate(sizes.cpu().tolist())
-    ]
+    raw = all_gather_bytes(json.dumps(obj).encode(), device=device, tag="reshard/plan")
+    return [json.loads(data.decode()) for data in raw]
 
 
 def _check_cover(tensors: dict) -> None:
