@@ -36,14 +36,7 @@ def push(cluster, values: dict, ranks=None) -> None:
     for name in values:
         if not name.isidentifier():
             raise ValueError(f"push: {name!r} is not a Python variable name")
-    cluster.check_running()
-    ranks = _targets(cluster, ranks)
-    replacing.require_registered(cluster, ranks)
-    pending = [
-        cluster.client[cluster.rank_to_engine[r]].push(values, block=False)
-        for r in ranks
-    ]
-    waiting.wait_for_ranks(cluster, pending, ranks=ranks, timeout=TIMEOUT, what="push")
+    _on_each(cluster, ranks, lambda view: view.push(values, block=False), "push")
 
 
 def pull(cluster, name: str, ranks=None) -> list:
@@ -51,12 +44,18 @@ def pull(cluster, name: str, ranks=None) -> list:
     order; a rank without it raises a :class:`dtlab.launch.RankError` naming it."""
     if not name.isidentifier():
         raise ValueError(f"pull: {name!r} is not a Python variable name")
+    return _on_each(
+        cluster, ranks, lambda view: view.pull(name, block=False), f"pull {name!r}"
+    )
+
+
+def _on_each(cluster, ranks, request, what: str) -> list:
+    """``request(view)`` on each rank's engine (ipyparallel's non-blocking
+    ``DirectView`` call), waited for as ``cluster.run`` waits."""
     cluster.check_running()
     ranks = _targets(cluster, ranks)
     replacing.require_registered(cluster, ranks)
-    pending = [
-        cluster.client[cluster.rank_to_engine[r]].pull(name, block=False) for r in ranks
-    ]
+    pending = [request(cluster.client[cluster.rank_to_engine[r]]) for r in ranks]
     return waiting.wait_for_ranks(
-        cluster, pending, ranks=ranks, timeout=TIMEOUT, what=f"pull {name!r}"
+        cluster, pending, ranks=ranks, timeout=TIMEOUT, what=what
     )
