@@ -7,8 +7,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8888
 STAMP  := $(VENV)/.dtlab-installed
-# pytest-xdist processes for `make test` (a chapter's cells stay in one process);
-# much of the suite waits on engines, timeouts and kernels, so 2 helps on 2 cores
+# pytest-xdist processes for `make test`'s tests (much of the suite waits on engines,
+# timeouts and kernels, so 2 helps on 2 cores). The chapters run one at a time: two
+# chapters starting 4 engines each at once on 2 cores once left one engine unregistered
+# after 120 s
 WORKERS ?= 2
 
 .PHONY: lab test install clean figures browser
@@ -21,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check dtlab tests notebooks cluster
 	$(BIN)/python -m pytest -n $(WORKERS) --durations=20 tests
 	DTLAB_SUBSTITUTE_SOLUTIONS=1 $(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=300 \
-		-p tests.nbval_guard -n $(WORKERS) --dist loadfile notebooks
+		-p tests.nbval_guard notebooks
 
 install: $(STAMP)
 
